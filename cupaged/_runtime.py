@@ -1,0 +1,135 @@
+"""Kernel runtime: one CUDA source, two launchers.
+
+A :class:`KernelFamily` is a ``kernels_cu/<stem>.cu`` file plus the C++ name expressions the
+package launches from it. Its source is read once, our own ``#include "x.cuh"`` lines are inlined
+(so CuPy's cache key covers the headers), and it is compiled for the backend of the data arrays:
+CuPy ``RawModule`` (NVRTC) for cupy arrays, :mod:`cupaged.sim` (g++) for numpy arrays. Modules are
+memoized per (device, source, options, name expressions). Both launchers share CuPy's call
+convention ``kernel(grid, block, args, shared_mem=n)``; launches go to CuPy's current stream and
+never synchronize.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import threading
+
+import numpy as np
+
+__all__ = ["KernelFamily", "families", "array_module", "kernels_dir"]
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
+_FAMILIES: dict[str, "KernelFamily"] = {}
+_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_dir() -> str:
+    """``kernels_cu`` inside an installed wheel, else beside the package in a checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "kernels_cu"), os.path.join(os.path.dirname(here), "kernels_cu")):
+        if os.path.isdir(cand):
+            return cand
+    raise FileNotFoundError(f"kernels_cu not found next to {here}")
+
+
+def _inline(path: str, seen: set[str]) -> str:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+
+    def repl(m: re.Match) -> str:
+        inc = os.path.join(os.path.dirname(path), m.group(1))
+        if not os.path.isfile(inc):
+            return m.group(0)
+        key = os.path.realpath(inc)
+        if key in seen:
+            return f"// {m.group(1)}: already inlined"
+        seen.add(key)
+        return f"// ---- begin {m.group(1)}\n{_inline(inc, seen)}\n// ---- end {m.group(1)}"
+
+    return _INCLUDE.sub(repl, text).replace("#pragma once", "")
+
+
+class KernelFamily:
+    """One ``kernels_cu/<stem>.cu`` file and the name expressions launched from it."""
+
+    options = ("-std=c++17",)
+
+    def __init__(self, stem: str, name_expressions):
+        self.stem = stem
+        self.name_expressions = tuple(name_expressions)
+        with _LOCK:
+            _FAMILIES[stem] = self
+
+    @functools.cached_property
+    def source(self) -> str:
+        path = os.path.join(kernels_dir(), self.stem + ".cu")
+        return _inline(path, {os.path.realpath(path)})
+
+    def function(self, name: str, xp):
+        """The launchable kernel ``name`` (one of the name expressions) for array module ``xp``."""
+        if name not in self.name_expressions:
+            raise KeyError(f"{name!r} is not a name expression of kernels_cu/{self.stem}.cu")
+        if xp is np:
+            return _sim_module(self.source, self.options, self.name_expressions).get_function(name)
+        device = xp.cuda.Device().id
+        return _cuda_module(device, self.source, self.options, self.name_expressions).get_function(name)
+
+
+def families() -> list[KernelFamily]:
+    """Every kernel family the package ships (importing cupaged registers them all)."""
+    import cupaged  # noqa: F401  (op modules register their families on import)
+
+    return [_FAMILIES[k] for k in sorted(_FAMILIES)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sim_module(source, options, names):
+    from cupaged import sim
+
+    return sim.RawModule(code=source, options=options, name_expressions=names)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_module(device, source, options, names):
+    import cupy
+
+    from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
+
+    try:
+        includes = tuple(f"-I{d}" for d in cuda_include_dirs())
+    except CudaNotFoundError:
+        includes = ()  # CuPy finds the toolkit headers itself
+    with cupy.cuda.Device(device):
+        return cupy.RawModule(code=source, options=options + includes, name_expressions=names)
+
+
+def array_module(**arrays):
+    """numpy for numpy arrays (the sim), cupy for cupy arrays; a mix raises TypeError.
+
+    ``None`` values are ignored. Every other value must be an array of one of the two kinds.
+    """
+    kinds: dict[str, list[str]] = {}
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        if isinstance(a, np.ndarray):
+            kinds.setdefault("numpy", []).append(name)
+            continue
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and isinstance(a, cupy.ndarray):
+            kinds.setdefault("cupy", []).append(name)
+            continue
+        raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
+    if len(kinds) > 1:
+        raise TypeError(
+            "arrays on different backends: "
+            + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
+            + " (numpy arrays run on the sim, cupy arrays on the GPU: pass one kind)"
+        )
+    if "cupy" in kinds:
+        return sys.modules["cupy"]
+    return np

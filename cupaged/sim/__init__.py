@@ -1,0 +1,31 @@
+"""The sim backend: CUDA kernels compiled by g++ and run on the CPU, one fiber per CUDA thread.
+
+A drop-in for the part of CuPy that cupaged uses::
+
+    mod = cupaged.sim.RawModule(code=src, options=("-std=c++17",), name_expressions=("k<float>",))
+    kernel = mod.get_function("k<float>")
+    kernel((blocks,), (threads,), (x, y, np.int32(n)), shared_mem=0)
+
+Data arrays are numpy arrays; ``empty/zeros/asarray`` allocate them in guarded memory (PROT_NONE
+pages around every buffer) so they are passed without a copy. See design-sim.md for the model.
+Environment: ``CUPAGED_SIM_ORDER=natural|reverse|random[:seed]`` (block and thread scheduling
+order), ``CUPAGED_SIM_TIMEOUT`` (CPU seconds per launch, default 300), ``CUPAGED_SIM_ARCH``
+(``sm_80`` or ``sm_90``, the shared-memory limit enforced; default ``sm_90``),
+``CUPAGED_CACHE_DIR`` (compiled objects; default ``$XDG_CACHE_HOME/cupaged``), ``CXX``.
+"""
+
+from cupaged.sim._errors import (
+    SimCompileError,
+    SimError,
+    SimMemoryError,
+    SimSyncError,
+    SimTimeoutError,
+    SimTrapError,
+)
+from cupaged.sim._memory import asarray, empty, empty_like, zeros, zeros_like
+from cupaged.sim._module import RawKernel, RawModule
+
+__all__ = [
+    "RawModule", "RawKernel", "SimError", "SimCompileError", "SimMemoryError", "SimSyncError",
+    "SimTrapError", "SimTimeoutError", "empty", "zeros", "empty_like", "zeros_like", "asarray",
+]

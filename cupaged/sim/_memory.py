@@ -1,0 +1,115 @@
+"""Guarded memory: every buffer a sim kernel touches sits between PROT_NONE pages.
+
+Layout of one allocation (page = 4 KiB)::
+
+    [guard page][pad ........ | data (nbytes) | slack < 16][guard page]
+                               ^ 16-byte aligned            ^ page aligned
+
+The data ends (up to 15 bytes of slack) right at the trailing guard page, so a read or write past
+the end faults at once; pad and slack are filled with 0xFF (NaN for every float type) and checked
+after each launch, which catches the small overruns that stay inside the page.
+
+``empty/zeros/asarray`` return numpy arrays that live in such memory from birth and are passed to
+kernels without a copy; plain numpy arrays are copied into a temporary one per launch and back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+
+__all__ = ["GuardedBuffer", "empty", "zeros", "empty_like", "zeros_like", "asarray", "guarded_buffer"]
+
+PAGE = mmap.PAGESIZE
+FILL = 0xFF
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+class GuardedBuffer(mmap.mmap):
+    """An anonymous mapping with a PROT_NONE page on each side of ``nbytes`` of data."""
+
+    def __new__(cls, nbytes: int):
+        nbytes = int(nbytes)
+        span = -(-(nbytes + 15) // 16) * 16 if nbytes else 0
+        inner = max(PAGE, -(-span // PAGE) * PAGE)
+        self = super().__new__(cls, -1, inner + 2 * PAGE)
+        self.nbytes = nbytes
+        self.base_addr = ctypes.addressof(ctypes.c_char.from_buffer(self))
+        self.offset = PAGE + inner - span  # data start, 16-byte aligned
+        self.data_addr = self.base_addr + self.offset
+        self.lo = self.base_addr + PAGE  # first byte after the leading guard
+        self.hi = self.base_addr + PAGE + inner  # first byte of the trailing guard
+        ctypes.memset(self.lo, FILL, inner)
+        for start in (self.base_addr, self.hi):
+            if _libc.mprotect(start, PAGE, 0) != 0:
+                raise OSError(ctypes.get_errno(), "mprotect failed for a guard page")
+        return self
+
+    def array(self, shape, dtype) -> np.ndarray:
+        return np.ndarray(shape, dtype=dtype, buffer=self, offset=self.offset)
+
+    def damaged(self) -> tuple[int, int] | None:
+        """(first damaged byte offset relative to the data, count) in pad or slack, or None."""
+        for start, end in ((self.lo, self.data_addr), (self.data_addr + self.nbytes, self.hi)):
+            if end <= start:
+                continue
+            view = np.frombuffer((ctypes.c_ubyte * (end - start)).from_address(start), np.uint8)
+            bad = np.flatnonzero(view != FILL)
+            if bad.size:
+                return start + int(bad[0]) - self.data_addr, int(bad.size)
+        return None
+
+    def repair(self) -> None:
+        ctypes.memset(self.lo, FILL, self.data_addr - self.lo)
+        ctypes.memset(self.data_addr + self.nbytes, FILL, self.hi - self.data_addr - self.nbytes)
+
+
+def guarded_buffer(a: np.ndarray) -> GuardedBuffer | None:
+    """The GuardedBuffer that ``a``'s memory belongs to, if any."""
+    obj = a
+    while obj is not None:
+        if isinstance(obj, GuardedBuffer):
+            return obj
+        if isinstance(obj, memoryview):
+            obj = obj.obj
+        else:
+            obj = getattr(obj, "base", None)
+    return None
+
+
+def empty(shape, dtype=np.float32, order="C") -> np.ndarray:
+    """Like numpy.empty, in guarded memory. Contents are 0xFF bytes (NaN for floats)."""
+    if order not in ("C", "F"):
+        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+    buf = GuardedBuffer(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    a = buf.array(shape[::-1] if order == "F" else shape, dtype)
+    return a.T if order == "F" else a
+
+
+def zeros(shape, dtype=np.float32, order="C") -> np.ndarray:
+    a = empty(shape, dtype, order)
+    a[...] = 0
+    return a
+
+
+def empty_like(a, dtype=None) -> np.ndarray:
+    return empty(np.shape(a), dtype or np.asarray(a).dtype)
+
+
+def zeros_like(a, dtype=None) -> np.ndarray:
+    return zeros(np.shape(a), dtype or np.asarray(a).dtype)
+
+
+def asarray(a, dtype=None) -> np.ndarray:
+    """``a`` itself when it already lives in guarded memory (and has the dtype), else a copy."""
+    if isinstance(a, np.ndarray) and guarded_buffer(a) is not None and (dtype is None or a.dtype == dtype):
+        return a
+    src = np.asarray(a, dtype=dtype)
+    out = empty(src.shape, src.dtype)
+    out[...] = src
+    return out

@@ -1,0 +1,294 @@
+"""RawModule / kernel objects of the sim backend, mirroring CuPy's call convention.
+
+``kernel(grid, block, args, shared_mem=0)``: numpy arrays are passed as device pointers (without a
+copy when they live in guarded memory, else through a guarded copy that is written back), numpy
+scalars by value. Python ``int`` / ``float`` become int64 / float64, as CuPy passes them; unlike
+CuPy, every argument is checked against the kernel's C++ parameter type, so a float32 array for
+``const __half*`` or a Python float for a ``float`` parameter is a TypeError, not garbage.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import threading
+
+import numpy as np
+
+from cupaged.sim import _compile
+from cupaged.sim._errors import SimError, SimMemoryError, SimSyncError, SimTimeoutError, SimTrapError
+from cupaged.sim._memory import GuardedBuffer, guarded_buffer
+
+__all__ = ["RawModule", "RawKernel"]
+
+ARCH_SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+DEFAULT_SMEM = 48 * 1024
+_LAUNCH_LOCK = threading.Lock()  # the engine's state and signal handlers are process-wide
+
+_DTYPES = {  # C++ element code -> numpy dtype names accepted for a pointer to it
+    "f32": ("float32",), "f64": ("float64",), "f16": ("float16",), "bf16": ("bfloat16",),
+    "e4m3": ("uint8", "float8_e4m3fn"), "e5m2": ("uint8", "float8_e5m2"), "b8": ("bool",),
+    "i8": ("int8",), "u8": ("uint8",), "i16": ("int16",), "u16": ("uint16",), "i32": ("int32",),
+    "u32": ("uint32",), "i64": ("int64",), "u64": ("uint64",),
+}
+_SCALARS = {  # C++ scalar code -> (ctypes type, numpy dtype name)
+    "f32": (ctypes.c_float, "float32"), "f64": (ctypes.c_double, "float64"), "b8": (ctypes.c_bool, "bool"),
+    "i8": (ctypes.c_int8, "int8"), "u8": (ctypes.c_uint8, "uint8"), "i16": (ctypes.c_int16, "int16"),
+    "u16": (ctypes.c_uint16, "uint16"), "i32": (ctypes.c_int32, "int32"), "u32": (ctypes.c_uint32, "uint32"),
+    "i64": (ctypes.c_int64, "int64"), "u64": (ctypes.c_uint64, "uint64"),
+    "f16": (ctypes.c_uint16, "float16"), "bf16": (ctypes.c_uint16, "bfloat16"),
+}
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_ulonglong),
+                ("order", ctypes.c_int), ("seed", ctypes.c_ulonglong), ("timeout_s", ctypes.c_double),
+                ("tls_dyn_offset", ctypes.c_ulonglong)]
+
+
+class _ErrorInfo(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int), ("has_thread", ctypes.c_int), ("thread", ctypes.c_uint * 3),
+                ("block", ctypes.c_uint * 3), ("fault_addr", ctypes.c_ulonglong), ("fault_write", ctypes.c_int),
+                ("signo", ctypes.c_int), ("dyn_smem", ctypes.c_ulonglong), ("msg", ctypes.c_char * 8192)]
+
+
+_ERRORS = {1: SimMemoryError, 2: SimSyncError, 3: SimTrapError, 4: SimTimeoutError}
+
+
+def _dim3(v, what):
+    t = (v,) if np.ndim(v) == 0 else tuple(v)
+    if not 1 <= len(t) <= 3 or any(int(x) < 1 for x in t):
+        raise ValueError(f"{what} must be a positive int or a tuple of 1 to 3 positive ints, got {v!r}")
+    return tuple(int(x) for x in t) + (1,) * (3 - len(t))
+
+
+def _order():
+    spec = os.environ.get("CUPAGED_SIM_ORDER", "natural")
+    name, _, seed = spec.partition(":")
+    if name not in ("natural", "reverse", "random"):
+        raise ValueError(f"CUPAGED_SIM_ORDER must be natural, reverse or random[:seed], got {spec!r}")
+    return ("natural", "reverse", "random").index(name), int(seed or 0)
+
+
+def _param_names(code: str, name: str) -> list[str] | None:
+    """Parameter names of kernel ``name`` read from the source, for error messages (best effort)."""
+    base = re.sub(r"<.*", "", name).split("::")[-1].strip()
+    m = re.search(r"__global__[^;{}]*?\b" + re.escape(base) + r"\s*\(", code)
+    if not m:
+        return None
+    depth, i = 1, m.end()
+    while i < len(code) and depth:
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        i += 1
+    params, depth, cur = [], 0, ""
+    for ch in code[m.end():i - 1]:
+        depth += {"(": 1, "<": 1, "[": 1, ")": -1, ">": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            params.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    params.append(cur)
+    names = []
+    for p in params:
+        p = re.sub(r"//[^\n]*|/\*.*?\*/", "", p, flags=re.S).split("=")[0]
+        ids = re.findall(r"[A-Za-z_]\w*", p)
+        if ids:
+            names.append(ids[-1])
+    return names
+
+
+class RawModule:
+    """``cupaged.sim.RawModule(code=..., options=(), name_expressions=())``, like cupy.RawModule."""
+
+    def __init__(self, code: str, options=(), name_expressions=()):
+        self.code = code
+        self.options = tuple(options)
+        self.name_expressions = tuple(name_expressions)
+        names = list(self.name_expressions)
+        for m in re.finditer(r'extern\s+"C"\s+__global__\s+(?:void\s+)?(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(', code):
+            if m.group(1) not in names:
+                names.append(m.group(1))
+        self._names = names
+        so, self.static_shared_bytes, self.tls_dyn_offset = _compile.build(code, self.options, names)
+        self._lib = ctypes.CDLL(so, mode=os.RTLD_LOCAL)
+        self._lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
+        self._kernels = {}
+
+    def get_function(self, name: str) -> "RawKernel":
+        if name not in self._kernels:
+            if name not in self._names:
+                raise KeyError(f"no kernel {name!r} in this module (name expressions and extern \"C\" kernels: "
+                               f"{', '.join(self._names) or 'none'})")
+            self._kernels[name] = RawKernel(self, name, self._names.index(name))
+        return self._kernels[name]
+
+
+class RawKernel:
+    """A launchable kernel: ``kernel(grid, block, args, shared_mem=0)``."""
+
+    def __init__(self, module: RawModule, name: str, index: int):
+        self.module, self.name = module, name
+        self._launch = getattr(module._lib, f"cupaged_sim_launch_{index}")
+        self._launch.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.POINTER(ctypes.c_void_p))
+        params = getattr(module._lib, f"cupaged_sim_params_{index}")
+        params.restype = ctypes.c_char_p
+        self.param_types = tuple(c for c in params().decode().split(",") if c)
+        names = _param_names(module.code, name)
+        self.param_names = tuple(names) if names and len(names) == len(self.param_types) else tuple(
+            f"argument {i}" for i in range(len(self.param_types)))
+        self.max_dynamic_shared_size_bytes = DEFAULT_SMEM
+        self.max_threads_per_block = 1024
+
+    # --------------------------------------------------------------- marshaling
+    def _scalar(self, i, code, a):
+        pname = self.param_names[i]
+        if code.startswith("struct:"):
+            size = int(code[7:])
+            if not (isinstance(a, np.generic) and a.dtype.itemsize == size):
+                raise TypeError(f"{self.name}: {pname} is a {size}-byte struct: pass a numpy scalar of that size")
+            return ctypes.create_string_buffer(a.tobytes(), size)
+        ctype, want = _SCALARS[code]
+        if isinstance(a, (bool, np.bool_)) and want != "bool":
+            raise TypeError(f"{self.name}: {pname} expects {want}, got bool")
+        if isinstance(a, np.generic):
+            got = a.dtype.name
+        elif isinstance(a, bool):
+            got = "bool"
+        elif isinstance(a, int):
+            got = "int64"  # CuPy passes a Python int as int64
+        elif isinstance(a, float):
+            got = "float64"  # and a Python float as float64
+        else:
+            raise TypeError(f"{self.name}: {pname} expects a {want} scalar, got {type(a).__name__}")
+        if got != want and not (want == "uint64" and got == "int64"):
+            raise TypeError(f"{self.name}: {pname} expects {want}, got {got} "
+                            f"(pass numpy.{want}(...): CuPy would pass a {got} and the kernel would read garbage)")
+        if code in ("f16", "bf16"):
+            return ctype(int(np.asarray(a).view(np.uint16)))
+        return ctype(a.item() if isinstance(a, np.generic) else a)
+
+    def _check_array(self, i, code, a):
+        pname = self.param_names[i]
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{self.name}: {pname} is a pointer ({code[4:]}): pass a numpy array, got {type(a).__name__}")
+        want = _DTYPES.get(code[4:])
+        if want is not None and a.dtype.name not in want:
+            raise TypeError(f"{self.name}: {pname} points to {code[4:]}: expected a {' or '.join(want)} array, got {a.dtype}")
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        args = tuple(args)
+        if len(args) != len(self.param_types):
+            raise TypeError(f"{self.name} takes {len(self.param_types)} arguments, got {len(args)}")
+        grid, block = _dim3(grid, "grid"), _dim3(block, "block")
+        nthreads = block[0] * block[1] * block[2]
+        if nthreads > 1024 or block[2] > 64 or grid[0] >= 2**31 or grid[1] > 65535 or grid[2] > 65535:
+            raise ValueError(f"{self.name}: launch configuration grid={grid} block={block} exceeds the GPU's limits "
+                             "(≤ 1024 threads per block, block.z ≤ 64, grid.x < 2^31, grid.y/z ≤ 65535)")
+        shared_mem = int(shared_mem)
+        arch = os.environ.get("CUPAGED_SIM_ARCH", "sm_90")
+        limit = ARCH_SMEM_LIMIT.get(arch, ARCH_SMEM_LIMIT["sm_90"])
+        if shared_mem > self.max_dynamic_shared_size_bytes:
+            raise ValueError(f"{self.name}: shared_mem={shared_mem} exceeds the kernel's "
+                             f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} (opt in first)")
+        if shared_mem + self.module.static_shared_bytes > limit or self.max_dynamic_shared_size_bytes > limit:
+            raise ValueError(f"{self.name}: {shared_mem} bytes of dynamic + {self.module.static_shared_bytes} of static "
+                             f"shared memory exceed {arch}'s {limit} bytes per block")
+        cvals, views = [None] * len(args), []
+        for i, (code, a) in enumerate(zip(self.param_types, args)):
+            if code.startswith("ptr:"):
+                self._check_array(i, code, a)
+                views.append((i, a))
+            else:
+                cvals[i] = self._scalar(i, code, a)
+        staged = _Staging(views, self.param_names)
+        ptrs = (ctypes.c_void_p * max(1, len(args)))()
+        for i in range(len(args)):
+            if cvals[i] is None:
+                cvals[i] = ctypes.c_void_p(staged.ptr[i])
+            ptrs[i] = ctypes.addressof(cvals[i])
+        order, seed = _order()
+        cfg = _LaunchConfig(grid, block, shared_mem, order, seed,
+                            float(os.environ.get("CUPAGED_SIM_TIMEOUT", "300")), self.module.tls_dyn_offset)
+        try:
+            with _LAUNCH_LOCK:
+                rc = self._launch(ctypes.byref(cfg), ptrs)
+                err = self.module._lib.cupaged_sim_error().contents if rc else None
+                if rc:
+                    raise self._error(rc, err, staged, shared_mem)
+            staged.check_slack()
+        finally:
+            staged.finish()
+
+    def _error(self, rc, err, staged, shared_mem):
+        msg = err.msg.decode(errors="replace")
+        where = ""
+        if err.has_thread:
+            where = f" in thread ({err.thread[0]},{err.thread[1]},{err.thread[2]})"
+        where += f" of block ({err.block[0]},{err.block[1]},{err.block[2]})"
+        if rc == 1 and err.signo:
+            kind = "write" if err.fault_write else "access"
+            addr, dyn = err.fault_addr, err.dyn_smem
+            if dyn <= addr < dyn + _compile.DYN_SMEM_CAPACITY:
+                msg = (f"dynamic shared memory {kind} at byte offset {addr - dyn}, past the launch's "
+                       f"shared_mem={shared_mem} bytes")
+            else:
+                msg = staged.describe(addr, kind) or f"{msg} at address {addr:#x}"
+        return _ERRORS.get(rc, SimError)(f"{self.name}: {msg}{where}")
+
+
+class _Staging:
+    """Pointers for array arguments; plain numpy memory goes through a guarded copy."""
+
+    def __init__(self, views, names):
+        self.names = names
+        self.groups = []  # [lo, hi, buffer, writable, [(i, array)]]: overlapping plain arrays share one copy
+        self.ptr = {}
+        direct, plain = [], []
+        for i, a in views:
+            buf = guarded_buffer(a)
+            if buf is not None:
+                direct.append((i, a, buf))
+            else:
+                plain.append((*np.lib.array_utils.byte_bounds(a), i, a))
+        for lo, hi, i, a in sorted(plain, key=lambda t: t[:3]):
+            g = self.groups[-1] if self.groups else None
+            if g is not None and lo < g[1]:
+                g[1] = max(g[1], hi)
+                g[3] = g[3] or a.flags.writeable
+                g[4].append((i, a))
+            else:
+                self.groups.append([lo, hi, None, a.flags.writeable, [(i, a)]])
+        self.buffers = {}
+        for g in self.groups:
+            g[2] = GuardedBuffer(g[1] - g[0])
+            ctypes.memmove(g[2].data_addr, g[0], g[1] - g[0])
+            for i, a in g[4]:
+                self.ptr[i] = g[2].data_addr + a.__array_interface__["data"][0] - g[0]
+                self.buffers[i] = g[2]
+        for i, a, buf in direct:
+            self.ptr[i] = a.__array_interface__["data"][0]
+            self.buffers[i] = buf
+
+    def describe(self, addr, kind):
+        for i, buf in self.buffers.items():
+            if buf.base_addr <= addr < buf.hi + 4096:
+                off = addr - self.ptr[i]
+                return (f"out-of-bounds {kind} of {self.names[i]} at byte offset {off} "
+                        f"(its memory spans {buf.data_addr - self.ptr[i]}..{buf.data_addr + buf.nbytes - self.ptr[i]})")
+        return None
+
+    def check_slack(self):
+        for i, buf in self.buffers.items():
+            bad = buf.damaged()
+            if bad is not None:
+                buf.repair()
+                off = bad[0] + buf.data_addr - self.ptr[i]
+                raise SimMemoryError(f"out-of-bounds write to {self.names[i]}: {bad[1]} byte(s) changed "
+                                     f"around byte offset {off}, outside its {buf.nbytes} bytes")
+
+    def finish(self):
+        for lo, hi, buf, writable, _ in self.groups:
+            if writable:
+                ctypes.memmove(lo, buf.data_addr, hi - lo)

@@ -1,0 +1,298 @@
+// cupaged_sim.h: force-included (g++ -include) ahead of an unmodified CUDA source on the sim.
+//
+// Maps the CUDA language to host C++: execution-space keywords vanish, `__shared__` becomes
+// `thread_local` (one OS thread runs one block), the built-in index variables read the current
+// fiber, and barriers, warp collectives, atomics and device intrinsics get host definitions.
+// NVIDIA's cuda_fp16.h / cuda_bf16.h / cuda_fp8.h compile as host code and convert bit-exactly.
+#pragma once
+#define __CUDA_SIM__ 1
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <string>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <vector_types.h>
+#include <vector_functions.h>
+
+#undef __shared__
+#define __shared__ thread_local
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#undef __forceinline__
+#define __forceinline__ inline __attribute__((always_inline))
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
+
+#include "cupaged_sim_engine.h"
+
+#define threadIdx (::cupaged_sim::g.cur->tid)
+#define blockIdx (::cupaged_sim::g.block_idx)
+#define blockDim (::cupaged_sim::g.block)
+#define gridDim (::cupaged_sim::g.grid)
+static constexpr int warpSize = 32;
+
+namespace cupaged_sim {
+template <class T>
+inline unsigned long long to_bits(T v) {
+  static_assert(sizeof(T) <= 8, "warp collectives move at most 8 bytes per lane");
+  unsigned long long b = 0;
+  memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <class T>
+inline T from_bits(unsigned long long b) {
+  T v;
+  memcpy(&v, &b, sizeof(T));
+  return v;
+}
+[[noreturn]] void trap(const char* what, const char* file, int line) {
+  if (!g.cur) { fprintf(stderr, "%s:%d: %s\n", file, line, what); abort(); }
+  set_error(E_TRAP, "%s (%s:%d)", what, file, line);
+  abort_fiber();
+}
+}  // namespace cupaged_sim
+
+// ---- barriers
+#define __syncthreads() ::cupaged_sim::barrier(0, 0, __LINE__)
+#define __syncthreads_count(p) ::cupaged_sim::barrier(1, (p) != 0, __LINE__)
+#define __syncthreads_and(p) ::cupaged_sim::barrier(2, (p) != 0, __LINE__)
+#define __syncthreads_or(p) ::cupaged_sim::barrier(3, (p) != 0, __LINE__)
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+inline void __threadfence_system() {}
+
+// ---- warp collectives (the last lane of the mask to arrive computes every lane's result)
+namespace cupaged_sim {
+template <class T>
+inline T shfl(int kind, unsigned mask, T var, int arg, int width, int line) {
+  return from_bits<T>(collective(kind, mask, to_bits(var), arg, width, line));
+}
+inline unsigned vote(int kind, unsigned mask, int pred, int line) {
+  int p = pred != 0;
+  return unsigned(collective(kind, mask, 0, 0, 32, line, &p));
+}
+}  // namespace cupaged_sim
+#define __shfl_sync(m, v, ...) ::cupaged_sim::shfl_idx(m, v, __LINE__, __VA_ARGS__)
+#define __shfl_up_sync(m, v, ...) ::cupaged_sim::shfl_up(m, v, __LINE__, __VA_ARGS__)
+#define __shfl_down_sync(m, v, ...) ::cupaged_sim::shfl_down(m, v, __LINE__, __VA_ARGS__)
+#define __shfl_xor_sync(m, v, ...) ::cupaged_sim::shfl_xor(m, v, __LINE__, __VA_ARGS__)
+namespace cupaged_sim {
+template <class T> inline T shfl_idx(unsigned m, T v, int line, int src, int w = 32) { return shfl(SHFL_IDX, m, v, src, w, line); }
+template <class T> inline T shfl_up(unsigned m, T v, int line, unsigned d, int w = 32) { return shfl(SHFL_UP, m, v, int(d), w, line); }
+template <class T> inline T shfl_down(unsigned m, T v, int line, unsigned d, int w = 32) { return shfl(SHFL_DOWN, m, v, int(d), w, line); }
+template <class T> inline T shfl_xor(unsigned m, T v, int line, int lm, int w = 32) { return shfl(SHFL_XOR, m, v, lm, w, line); }
+template <class T> inline unsigned match_any(unsigned m, T v, int line) { return unsigned(collective(MATCH_ANY, m, to_bits(v), 0, 32, line)); }
+template <class T> inline unsigned match_all(unsigned m, T v, int* pred, int line) {
+  int p = 0;
+  unsigned r = unsigned(collective(MATCH_ALL, m, to_bits(v), 0, 32, line, &p));
+  *pred = p;
+  return r;
+}
+inline unsigned reduce(int kind, unsigned m, unsigned v, int line) { return unsigned(collective(kind, m, v, 0, 32, line)); }
+}  // namespace cupaged_sim
+#define __all_sync(m, p) int(::cupaged_sim::vote(::cupaged_sim::VOTE_ALL, m, p, __LINE__))
+#define __any_sync(m, p) int(::cupaged_sim::vote(::cupaged_sim::VOTE_ANY, m, p, __LINE__))
+#define __ballot_sync(m, p) ::cupaged_sim::vote(::cupaged_sim::BALLOT, m, p, __LINE__)
+#define __syncwarp(...) ((void)::cupaged_sim::collective(::cupaged_sim::SYNCWARP, ::cupaged_sim::syncwarp_mask(__VA_ARGS__), 0, 0, 32, __LINE__))
+#define __match_any_sync(m, v) ::cupaged_sim::match_any(m, v, __LINE__)
+#define __match_all_sync(m, v, p) ::cupaged_sim::match_all(m, v, p, __LINE__)
+#define __reduce_add_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_ADD, m, unsigned(v), __LINE__)
+#define __reduce_and_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_AND, m, unsigned(v), __LINE__)
+#define __reduce_or_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_OR, m, unsigned(v), __LINE__)
+#define __reduce_xor_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_XOR, m, unsigned(v), __LINE__)
+#define __reduce_min_sync(m, v) ::cupaged_sim::reduce_minmax(true, m, v, __LINE__)
+#define __reduce_max_sync(m, v) ::cupaged_sim::reduce_minmax(false, m, v, __LINE__)
+namespace cupaged_sim {
+inline unsigned syncwarp_mask(unsigned m = 0xFFFFFFFFu) { return m; }
+inline int reduce_minmax(bool mn, unsigned m, int v, int line) { return int(reduce(mn ? RED_MIN : RED_MAX, m, unsigned(v), line)); }
+inline unsigned reduce_minmax(bool mn, unsigned m, unsigned v, int line) { return reduce(mn ? RED_UMIN : RED_UMAX, m, v, line); }
+}  // namespace cupaged_sim
+// Lanes of the warp that have not exited (the sim cannot see divergence within a warp).
+inline unsigned __activemask() { return ::cupaged_sim::g.warps[::cupaged_sim::g.cur->warp].live; }
+inline unsigned __lanemask_lt() { return (1u << ::cupaged_sim::g.cur->lane) - 1u; }
+
+// ---- traps
+#define __trap() ::cupaged_sim::trap("__trap()", __FILE__, __LINE__)
+inline void __brkpt() {}
+inline void __nanosleep(unsigned) {}
+
+// ---- bit casts and integer intrinsics
+inline int __float_as_int(float x) { int r; memcpy(&r, &x, 4); return r; }
+inline unsigned __float_as_uint(float x) { unsigned r; memcpy(&r, &x, 4); return r; }
+inline float __int_as_float(int x) { float r; memcpy(&r, &x, 4); return r; }
+inline float __uint_as_float(unsigned x) { float r; memcpy(&r, &x, 4); return r; }
+inline long long __double_as_longlong(double x) { long long r; memcpy(&r, &x, 8); return r; }
+inline double __longlong_as_double(long long x) { double r; memcpy(&r, &x, 8); return r; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x ? __builtin_clz(unsigned(x)) : 32; }
+inline int __clzll(long long x) { return x ? __builtin_clzll((unsigned long long)x) : 64; }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline unsigned __brev(unsigned x) {
+  x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+  x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+  x = ((x >> 4) & 0x0F0F0F0Fu) | ((x & 0x0F0F0F0Fu) << 4);
+  x = ((x >> 8) & 0x00FF00FFu) | ((x & 0x00FF00FFu) << 8);
+  return (x >> 16) | (x << 16);
+}
+inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((unsigned long long)a * b >> 32); }
+inline int __mulhi(int a, int b) { return int((long long)a * b >> 32); }
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) { return (unsigned long long)((unsigned __int128)a * b >> 64); }
+inline int __mul24(int a, int b) { return int((long long)((a << 8) >> 8) * ((b << 8) >> 8)); }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  unsigned long long v = ((unsigned long long)y << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= unsigned((v >> (((s >> (4 * i)) & 7u) * 8)) & 0xFFu) << (8 * i);
+  return r;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
+using std::isfinite;
+using std::isinf;
+using std::isnan;
+using std::signbit;
+
+// ---- float intrinsics (the GPU's approximate ones are exp2/log2-based; compare with tolerances)
+inline float __expf(float x) { return exp2f(x * 1.4426950408889634f); }
+inline float __logf(float x) { return log2f(x) * 0.6931471805599453f; }
+inline float __log2f(float x) { return log2f(x); }
+inline float __powf(float x, float y) { return exp2f(y * log2f(x)); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
+inline float __tanf(float x) { return tanf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float __saturatef(float x) { return x != x ? 0.0f : x < 0.0f ? 0.0f : x > 1.0f ? 1.0f : x; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+inline float exp10f(float x) { return powf(10.0f, x); }
+inline int __float2int_rn(float x) { return int(nearbyintf(x)); }
+inline int __float2int_rz(float x) { return int(x); }
+inline int __float2int_rd(float x) { return int(floorf(x)); }
+inline int __float2int_ru(float x) { return int(ceilf(x)); }
+inline unsigned __float2uint_rn(float x) { return unsigned(nearbyintf(x)); }
+inline float __int2float_rn(int x) { return float(x); }
+inline float __uint2float_rn(unsigned x) { return float(x); }
+inline __half __hfma(__half a, __half b, __half c) { return __float2half_rn(fmaf(__half2float(a), __half2float(b), __half2float(c))); }
+inline __nv_bfloat16 __hfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) {
+  return __float2bfloat16_rn(fmaf(__bfloat162float(a), __bfloat162float(b), __bfloat162float(c)));
+}
+
+// ---- memory access hints
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldca(const T* p) { return *p; }
+template <class T> inline T __ldcs(const T* p) { return *p; }
+template <class T> inline T __ldlu(const T* p) { return *p; }
+template <class T> inline T __ldcv(const T* p) { return *p; }
+template <class T> inline void __stwb(T* p, T v) { *p = v; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+template <class T> inline void __stcs(T* p, T v) { *p = v; }
+template <class T> inline void __stwt(T* p, T v) { *p = v; }
+
+// ---- atomics: fibers switch only at barriers and collectives, so plain read-modify-write is atomic
+template <class T> inline T atomicAdd(T* p, T v) { T o = *p; *p = T(o + v); return o; }
+inline __half atomicAdd(__half* p, __half v) { __half o = *p; *p = __hadd(o, v); return o; }
+inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) { __nv_bfloat16 o = *p; *p = __hadd(o, v); return o; }
+template <class T> inline T atomicSub(T* p, T v) { T o = *p; *p = T(o - v); return o; }
+template <class T> inline T atomicExch(T* p, T v) { T o = *p; *p = v; return o; }
+template <class T> inline T atomicMin(T* p, T v) { T o = *p; *p = v < o ? v : o; return o; }
+template <class T> inline T atomicMax(T* p, T v) { T o = *p; *p = v > o ? v : o; return o; }
+template <class T> inline T atomicAnd(T* p, T v) { T o = *p; *p = o & v; return o; }
+template <class T> inline T atomicOr(T* p, T v) { T o = *p; *p = o | v; return o; }
+template <class T> inline T atomicXor(T* p, T v) { T o = *p; *p = o ^ v; return o; }
+template <class T> inline T atomicCAS(T* p, T cmp, T v) { T o = *p; if (memcmp(&o, &cmp, sizeof(T)) == 0) *p = v; return o; }
+inline unsigned atomicInc(unsigned* p, unsigned lim) { unsigned o = *p; *p = o >= lim ? 0 : o + 1; return o; }
+inline unsigned atomicDec(unsigned* p, unsigned lim) { unsigned o = *p; *p = (o == 0 || o > lim) ? lim : o - 1; return o; }
+#define atomicAdd_block atomicAdd
+#define atomicAdd_system atomicAdd
+#define atomicMax_block atomicMax
+#define atomicMin_block atomicMin
+#define atomicExch_block atomicExch
+#define atomicCAS_block atomicCAS
+
+// ---- clocks
+inline long long clock64() { return (long long)__builtin_ia32_rdtsc(); }
+inline int clock() { return int(clock64()); }
+
+// ---- kernel launch and parameter type report, used by the generated wrappers
+namespace cupaged_sim {
+template <class T> struct TypeCode { static constexpr const char* value = nullptr; };
+#define CUPAGED_SIM_TYPE(T, s) template <> struct TypeCode<T> { static constexpr const char* value = s; };
+CUPAGED_SIM_TYPE(float, "f32") CUPAGED_SIM_TYPE(double, "f64") CUPAGED_SIM_TYPE(__half, "f16")
+CUPAGED_SIM_TYPE(__nv_bfloat16, "bf16") CUPAGED_SIM_TYPE(__nv_fp8_e4m3, "e4m3") CUPAGED_SIM_TYPE(__nv_fp8_e5m2, "e5m2")
+CUPAGED_SIM_TYPE(bool, "b8") CUPAGED_SIM_TYPE(char, "i8") CUPAGED_SIM_TYPE(signed char, "i8")
+CUPAGED_SIM_TYPE(unsigned char, "u8") CUPAGED_SIM_TYPE(short, "i16") CUPAGED_SIM_TYPE(unsigned short, "u16")
+CUPAGED_SIM_TYPE(int, "i32") CUPAGED_SIM_TYPE(unsigned, "u32") CUPAGED_SIM_TYPE(long, "i64")
+CUPAGED_SIM_TYPE(unsigned long, "u64") CUPAGED_SIM_TYPE(long long, "i64") CUPAGED_SIM_TYPE(unsigned long long, "u64")
+CUPAGED_SIM_TYPE(float2, "f32") CUPAGED_SIM_TYPE(float4, "f32") CUPAGED_SIM_TYPE(double2, "f64")
+CUPAGED_SIM_TYPE(int2, "i32") CUPAGED_SIM_TYPE(int4, "i32") CUPAGED_SIM_TYPE(uint2, "u32") CUPAGED_SIM_TYPE(uint4, "u32")
+CUPAGED_SIM_TYPE(char4, "i8") CUPAGED_SIM_TYPE(uchar4, "u8") CUPAGED_SIM_TYPE(__half2, "f16") CUPAGED_SIM_TYPE(__nv_bfloat162, "bf16")
+#undef CUPAGED_SIM_TYPE
+
+template <class A>
+std::string param_code() {
+  if constexpr (std::is_pointer_v<A>) {
+    using E = std::remove_cv_t<std::remove_pointer_t<A>>;
+    if constexpr (std::is_void_v<E>) return "ptr:void";
+    else {
+      const char* c = TypeCode<E>::value;
+      return c ? std::string("ptr:") + c : "ptr:void";
+    }
+  } else {
+    using E = std::remove_cv_t<A>;
+    const char* c = TypeCode<E>::value;
+    return c ? std::string(c) : "struct:" + std::to_string(sizeof(E));
+  }
+}
+
+template <class... A>
+const char* param_codes(void (*)(A...)) {
+  static std::string s = [] {
+    std::string r;
+    ((r += param_code<A>() + ","), ...);
+    return r;
+  }();
+  return s.c_str();
+}
+
+template <class... A, size_t... I>
+void call_kernel(void (*f)(A...), void** args, std::index_sequence<I...>) {
+  f(*reinterpret_cast<std::remove_cv_t<A>*>(args[I])...);
+}
+
+template <class... A>
+int launch(void (*f)(A...), const LaunchConfig* cfg, void** args) {
+  struct Ctx { void (*f)(A...); void** args; } ctx{f, args};
+  g.thunk = [](void* c) {
+    auto* x = static_cast<Ctx*>(c);
+    call_kernel(x->f, x->args, std::index_sequence_for<A...>{});
+  };
+  g.thunk_ctx = &ctx;
+  return run_launch(cfg);
+}
+}  // namespace cupaged_sim
