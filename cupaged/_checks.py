@@ -1,0 +1,61 @@
+"""Argument validation shared by the ops: every message names the argument, what was expected and
+what came (DESIGN.md §5). Nothing here reads the contents of a device array."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["CTYPE", "FLOAT_DTYPES", "check_ndim", "check_dtype", "check_last_contiguous",
+           "element_strides", "address", "validate_enabled", "check_choice"]
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+CTYPE = {  # numpy dtype -> C++ type in name expressions
+    np.dtype(np.float32): "float", np.dtype(np.float16): "__half", np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16",
+    np.dtype(np.int32): "int", np.dtype(np.int64): "long long",
+}
+
+
+def check_ndim(name: str, a, ndim: int, layout: str) -> None:
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(a.shape)}")
+
+
+def check_dtype(name: str, a, allowed) -> None:
+    allowed = tuple(np.dtype(d) for d in allowed)
+    if a.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {a.dtype}")
+
+
+def check_last_contiguous(name: str, a) -> None:
+    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(a.strides)} "
+                         f"for itemsize {a.itemsize}")
+
+
+def element_strides(name: str, a) -> tuple[int, ...]:
+    """Strides in elements (a byte stride that is not a whole number of elements is an error)."""
+    if any(s % a.itemsize for s in a.strides):
+        raise ValueError(f"{name} has strides {tuple(a.strides)} that are not multiples of its itemsize {a.itemsize}")
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def address(a) -> int:
+    """Device or host address of the first element (numpy or cupy)."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return a.data.ptr
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def validate_enabled(validate) -> bool:
+    """Content checks run with validate=True, or CUPAGED_VALIDATE=1 when validate is None."""
+    if validate is None:
+        return os.environ.get("CUPAGED_VALIDATE", "") not in ("", "0")
+    return bool(validate)

@@ -1,0 +1,82 @@
+"""Shared test fixtures: the backend parametrization and the one tolerance table (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupaged import sim
+
+# |got - ref| <= atol + rtol * |ref|
+TOLERANCES = {
+    np.dtype(np.float32): (1e-5, 1e-5),
+    np.dtype(np.float16): (2e-3, 2e-3),
+    np.dtype(ml_dtypes.bfloat16): (1.6e-2, 1.6e-2),
+    "fp8": (2e-2, 2e-2),
+    "lse": (1e-4, 1e-4),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no cupy, no driver or no device: all mean "no GPU"
+        return False
+
+
+class Backend:
+    """Puts test data where a backend's kernels read it: guarded numpy (sim) or cupy (cuda)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @property
+    def xp(self):
+        if self.name == "sim":
+            return np
+        import cupy
+
+        return cupy
+
+    def asarray(self, a):
+        a = np.asarray(a)
+        return sim.asarray(a) if self.name == "sim" else self.xp.asarray(a)
+
+    def empty(self, shape, dtype):
+        return sim.empty(shape, dtype) if self.name == "sim" else self.xp.empty(shape, dtype)
+
+    def to_numpy(self, a) -> np.ndarray:
+        return a if isinstance(a, np.ndarray) else a.get()
+
+    def __repr__(self):
+        return self.name
+
+
+BACKENDS = ["sim", pytest.param("cuda", marks=pytest.mark.skipif(not gpu_available(), reason="no GPU"))]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> Backend:
+    return Backend(request.param)
+
+
+def assert_close(got, ref, dtype_or_key, what="output"):
+    """Elementwise |got - ref| <= atol + rtol |ref| with the table's tolerance; NaN never passes."""
+    atol, rtol = TOLERANCES[dtype_or_key if isinstance(dtype_or_key, str) else np.dtype(dtype_or_key)]
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    same_inf = np.isinf(ref) & (got == ref)
+    err = np.where(same_inf, 0.0, np.abs(got - ref))
+    bound = atol + rtol * np.abs(np.where(np.isinf(ref), 0.0, ref))
+    bad = ~(err <= bound)
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(bad, err - bound, -np.inf)), bad.shape)
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} elements out of tolerance "
+                             f"(atol={atol}, rtol={rtol}); worst at {i}: got {got[i]}, ref {ref[i]}")
