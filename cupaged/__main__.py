@@ -1,0 +1,26 @@
+"""Command line: ``python -m cupaged selftest [--backend sim|cuda]`` and ``python -m cupaged resources``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupaged", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("selftest", help="run every kernel on a small case against the numpy reference")
+    st.add_argument("--backend", choices=("sim", "cuda"), help="default: cuda when a GPU is present, else sim")
+    sub.add_parser("resources", help="NVRTC compile gate: registers and spills per kernel (sm_80, sm_90)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "selftest":
+        from cupaged.selftest import run
+
+        return run(args.backend)
+    from cupaged.resources import main as resources_main
+
+    return resources_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

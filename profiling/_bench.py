@@ -1,0 +1,84 @@
+"""Shared benchmark plumbing: CUDA-event timing with an L2 flush between reps, NVTX ranges, the
+device's peak bandwidth, and the one-table output STYLE.md asks for."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+
+PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0,
+             "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100": 1555.0, "L40S": 864.0, "L4": 300.0}
+
+
+def gpu():
+    """cupy when a GPU is usable, else None."""
+    try:
+        import cupy
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # no cupy, driver or device
+        return None
+
+
+def peak_bandwidth_gbps(cp) -> tuple[str, float | None]:
+    name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+    for key, bw in PEAK_GBPS.items():
+        if key in name:
+            return name, bw
+    return name, None
+
+
+@contextlib.contextmanager
+def nvtx_range(label: str):
+    try:
+        import nvtx
+    except ImportError:  # some GPU images lack nvtx: annotations become no-ops
+        yield
+        return
+    with nvtx.annotate(label):
+        yield
+
+
+def time_gpu(cp, fn, reps=20, warmup=3, flush_bytes=256 << 20):
+    """Per-rep milliseconds of fn(), each rep after overwriting a buffer larger than L2."""
+    flush = cp.empty(flush_bytes, dtype=cp.uint8)
+    for _ in range(warmup):
+        fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        flush.fill(1)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return np.array(times)
+
+
+def time_cpu(fn, reps=3):
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return np.array(times)
+
+
+def print_table(rows, title):
+    head = ("config", "version", "median µs", "p20–p80 µs", "GB/s", "% of peak")
+    rows = [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    print(title)
+    for r in [head] + rows:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+
+
+def summarize(label, version, ms, nbytes, peak):
+    med = float(np.median(ms)) * 1e3
+    p20, p80 = (float(np.percentile(ms, q)) * 1e3 for q in (20, 80))
+    gbps = nbytes / (med * 1e-6) / 1e9
+    pct = f"{100 * gbps / peak:.0f}%" if peak else "-"
+    return (label, version, f"{med:.1f}", f"{p20:.1f}–{p80:.1f}", f"{gbps:.0f}", pct)
