@@ -1,0 +1,71 @@
+"""The kernel runtime: source loading, header inlining, module memoization, backend selection."""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from cupaged import _runtime
+from cupaged._runtime import KernelFamily, array_module, families, kernels_dir
+
+
+def test_kernels_dir_holds_every_family_source():
+    stems = {f.stem for f in families()}
+    assert "cache_ops" in stems
+    for stem in stems:
+        assert os.path.isfile(os.path.join(kernels_dir(), stem + ".cu"))
+
+
+def test_own_headers_are_inlined_once_and_system_headers_kept():
+    src = families()[0].source
+    assert '#include "' not in src
+    assert src.count("struct alignas(sizeof(T) * N) Vec") == 1  # common.cuh, inlined once
+    assert "#include <cuda_fp16.h>" in src
+
+
+def test_nested_and_repeated_includes(tmp_path, monkeypatch):
+    (tmp_path / "a.cuh").write_text('#pragma once\n#include "b.cuh"\nint a;\n')
+    (tmp_path / "b.cuh").write_text("#pragma once\nint b;\n")
+    (tmp_path / "fam.cu").write_text('#include "a.cuh"\n#include "b.cuh"\nint c;\n')
+    monkeypatch.setattr(_runtime, "kernels_dir", lambda: str(tmp_path))
+    fam = KernelFamily.__new__(KernelFamily)
+    fam.stem, fam.name_expressions = "fam", ()
+    src = fam.source
+    assert src.count("int b;") == 1 and src.count("int a;") == 1 and "int c;" in src
+    assert src.index("int b;") < src.index("int a;") < src.index("int c;")
+
+
+def test_modules_are_memoized():
+    fam = next(f for f in families() if f.stem == "cache_ops")
+    name = fam.name_expressions[0]
+    assert fam.function(name, np) is fam.function(name, np)
+    with pytest.raises(KeyError, match="not a name expression"):
+        fam.function("cupaged::no_such_kernel<float>", np)
+
+
+def test_array_module():
+    a = np.zeros(3)
+    assert array_module(x=a, y=None) is np
+    with pytest.raises(TypeError, match="x must be a numpy or cupy array, got list"):
+        array_module(x=[1, 2])
+
+
+def test_array_module_rejects_a_mix(monkeypatch):
+    fake = types.ModuleType("cupy")
+    fake.ndarray = type("ndarray", (), {})
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert array_module(q=fake.ndarray()) is fake
+    with pytest.raises(TypeError, match=r"cupy: q; numpy: k, v"):
+        array_module(q=fake.ndarray(), k=np.zeros(1), v=np.zeros(1))
+
+
+def test_selftest_passes_on_the_sim(capsys):
+    from cupaged.selftest import run
+
+    assert run("sim") == 0
+    out = capsys.readouterr().out
+    assert "reshape_and_cache_flash float16 NHD" in out and "FAIL" not in out and "ERROR" not in out
