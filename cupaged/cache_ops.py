@@ -1,15 +1,23 @@
-"""KV cache operations: write new keys and values into the paged cache (kernels_cu/cache_ops.cu)."""
+"""KV cache writes (kernels_cu/cache_ops.cu): new keys/values into the paged cache in the flash,
+vLLM and MLA layouts, fp8 with scales. Gathers, block copies and swaps are in cache_gather.py."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from cupaged._cache_args import (
+    KV_CODE,
+    cache_dtype,
+    check_slot_mapping,
+    check_slots_in_pool,
+    kernel_scalar_type,
+    scale_args,
+)
 from cupaged._checks import (
     CTYPE,
     FLOAT_DTYPES,
     address,
     check_choice,
-    check_dtype,
     check_last_contiguous,
     check_ndim,
     element_strides,
@@ -17,36 +25,73 @@ from cupaged._checks import (
 )
 from cupaged._runtime import KernelFamily, array_module
 
-__all__ = ["reshape_and_cache_flash"]
+__all__ = ["reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla"]
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 LAYOUTS = ("NHD", "HND")
-SLOT_DTYPES = (np.int64, np.int32)
+SLOTS = ("int", "long long")
 _THREADS = 256
 
 
-def _flash_name(dtype, slot_dtype, vec: int) -> str:
-    return f"cupaged::reshape_and_cache_flash_kernel<{CTYPE[np.dtype(dtype)]}, {CTYPE[np.dtype(slot_dtype)]}, {vec}>"
+def _flash(t, kv, slot, vec):
+    return f"cupaged::reshape_and_cache_flash_kernel<{t}, {kv}, {slot}, {vec}>"
 
 
+def _vllm(t, kv, slot, vec):
+    return f"cupaged::reshape_and_cache_kernel<{t}, {kv}, {slot}, {'true' if vec else 'false'}>"
+
+
+def _mla(t, kv, slot):
+    return f"cupaged::concat_and_cache_mla_kernel<{t}, {kv}, {slot}>"
+
+
+def _gather(t, kv):
+    return f"cupaged::gather_and_maybe_dequant_cache_kernel<{t}, {kv}>"
+
+
+def _words(kernel, word):
+    return f"cupaged::{kernel}<{word}>"
+
+
+_TYPES = [(CTYPE[d], 16 // d.itemsize) for d in FLOAT_DTYPES]
 FAMILY = KernelFamily("cache_ops", [
-    _flash_name(dt, st, vec)
-    for dt in FLOAT_DTYPES for st in SLOT_DTYPES for vec in sorted({1, 16 // np.dtype(dt).itemsize})
+    *(_flash(t, kv, s, v) for t, vec in _TYPES for kv in (0, 1, 2) for s in SLOTS for v in (1, vec)),
+    *(_vllm(t, kv, s, v) for t, _ in _TYPES for kv in (0, 1, 2) for s in SLOTS for v in (False, True)),
+    *(_mla(t, kv, s) for t, _ in _TYPES for kv in (0, 1, 2) for s in SLOTS),
+    *(_gather(t, kv) for t, _ in _TYPES for kv in (0, 1, 2)),
+    *(_words(k, w) for k in ("cp_gather_cache_kernel", "copy_blocks_kernel") for w in (1, 16)),
 ])
 
 
-def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    if kv_cache_dtype != "auto":
-        raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r}: fp8 KV caches are not implemented yet "
-                                  "(only 'auto', the cache holding the key/value dtype)")
+def _aligned(arrays, strides, vec_elems) -> bool:
+    """Every address 16-byte aligned and every stride a multiple of the vector width."""
+    return all(address(a) % 16 == 0 for a in arrays) and all(s % vec_elems == 0 for s in strides)
 
 
-def _vector_width(dtype, head_size: int, arrays, strides) -> int:
-    """Elements per 16-byte access when every address and stride allows it, else 1."""
-    vec = 16 // dtype.itemsize
-    aligned = all(address(a) % 16 == 0 for a in arrays) and all(s % vec == 0 for s in strides)
-    return vec if aligned and head_size % vec == 0 else 1
+def _check_key_value(key, value, kv_cache_dtype):
+    check_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
+    check_ndim("value", value, 3, "[num_tokens, num_kv_heads, head_size]")
+    ctype = kernel_scalar_type("key", key)
+    if value.dtype != key.dtype:
+        raise TypeError(f"value must have key's dtype {key.dtype}, got {value.dtype}")
+    if value.shape != key.shape:
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    check_last_contiguous("key", key)
+    check_last_contiguous("value", value)
+    return ctype, cache_dtype(kv_cache_dtype, key.dtype)
+
+
+def _check_cache_dtype(name, cache, want, kv_cache_dtype):
+    if cache.dtype != want:
+        raise TypeError(f"{name} must have dtype {want} for kv_cache_dtype={kv_cache_dtype!r}, got {cache.dtype}")
+
+
+def _scales(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):
+    k = scale_args("k_scale", k_scale, xp, kv_cache_dtype, num_kv_heads)
+    v = scale_args("v_scale", v_scale, xp, kv_cache_dtype, num_kv_heads)
+    per_head = np.int32(max(k[2], v[2]))
+    if per_head and (k[0] is None or v[0] is None or k[0].size != v[0].size):
+        raise ValueError("k_scale and v_scale must both be per-head arrays when one of them is")
+    return (k[0], v[0], k[1], v[1], per_head)
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -56,59 +101,127 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     ``slot_mapping[t]`` (int64 or int32) = block_id * block_size + offset; negative slots are
     skipped. ``layout`` "NHD": caches ``[num_blocks, block_size, num_kv_heads, head_size]``;
     "HND": ``[num_blocks, num_kv_heads, block_size, head_size]``. key/value may be views with any
-    token stride (slices of a fused QKV buffer). Scales are ignored for ``kv_cache_dtype="auto"``.
-    With ``validate=True`` (or ``CUPAGED_VALIDATE=1``) slots are checked against the pool on the
-    host first; otherwise an out-of-range slot is undefined behaviour on the GPU, as in vLLM.
+    token stride (slices of a fused QKV buffer). fp8 caches (kv_cache_dtype "fp8", "fp8_e4m3",
+    "fp8_e5m2") are uint8 and store saturate(x / scale); ``k_scale``/``v_scale`` are floats or
+    float32 arrays of 1 or ``[num_kv_heads]`` values. With ``validate=True`` (or
+    ``CUPAGED_VALIDATE=1``) slots are checked against the pool first; otherwise an out-of-range
+    slot is undefined behaviour on the GPU, as in vLLM.
     """
     xp = array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     check_choice("layout", layout, LAYOUTS)
-    _check_kv_cache_dtype(kv_cache_dtype)
-    check_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
-    check_ndim("value", value, 3, "[num_tokens, num_kv_heads, head_size]")
+    ctype, want = _check_key_value(key, value, kv_cache_dtype)
     dims = "[num_blocks, block_size, num_kv_heads, head_size]" if layout == "NHD" else \
         "[num_blocks, num_kv_heads, block_size, head_size]"
-    check_ndim("key_cache", key_cache, 4, dims)
-    check_ndim("value_cache", value_cache, 4, dims)
-    check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    check_dtype("key", key, FLOAT_DTYPES)
-    for name, a in (("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if a.dtype != key.dtype:
-            raise TypeError(f"{name} must have key's dtype {key.dtype} (kv_cache_dtype='auto'), got {a.dtype}")
-    check_dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
     num_tokens, num_kv_heads, head_size = key.shape
-    if value.shape != key.shape:
-        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping must have num_tokens={num_tokens} entries, got {slot_mapping.shape[0]}")
     heads_axis, page_axis = (2, 1) if layout == "NHD" else (1, 2)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_ndim(name, cache, 4, dims)
+        _check_cache_dtype(name, cache, want, kv_cache_dtype)
+        check_last_contiguous(name, cache)
     if key_cache.shape[heads_axis] != num_kv_heads or key_cache.shape[3] != head_size:
         raise ValueError(f"key_cache must be {layout} {dims} with num_kv_heads={num_kv_heads} and "
                          f"head_size={head_size}, got shape {tuple(key_cache.shape)}")
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache must have key_cache's shape {tuple(key_cache.shape)}, got {tuple(value_cache.shape)}")
-    for name, a in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        check_last_contiguous(name, a)
-    if slot_mapping.strides[0] != slot_mapping.itemsize and num_tokens > 1:
-        raise ValueError(f"slot_mapping must be contiguous, got stride {slot_mapping.strides[0]} bytes")
+    check_slot_mapping(slot_mapping, num_tokens)
     cache_strides = element_strides("key_cache", key_cache)
     if element_strides("value_cache", value_cache) != cache_strides:
         raise ValueError(f"value_cache must have key_cache's strides {tuple(key_cache.strides)}, "
                          f"got {tuple(value_cache.strides)}")
-    key_strides, value_strides = element_strides("key", key), element_strides("value", value)
+    scales = _scales(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[page_axis]
     if validate_enabled(validate):
-        slots = np.asarray(slot_mapping.get() if xp is not np else slot_mapping)
-        bad = np.flatnonzero(slots >= num_blocks * block_size)
-        if bad.size:
-            raise ValueError(f"slot_mapping[{bad[0]}] = {slots[bad[0]]} is outside the pool of "
-                             f"{num_blocks} blocks x {block_size} slots")
-    if num_tokens == 0 or num_kv_heads == 0 or head_size == 0:
+        check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
+    if num_tokens == 0 or num_kv_heads * head_size == 0:
         return
-    strides = (key_strides[0], key_strides[1], value_strides[0], value_strides[1],
+    strides = (*element_strides("key", key)[:2], *element_strides("value", value)[:2],
                cache_strides[0], cache_strides[page_axis], cache_strides[heads_axis])
-    vec = _vector_width(key.dtype, head_size, (key, value, key_cache, value_cache), strides)
-    kernel = FAMILY.function(_flash_name(key.dtype, slot_mapping.dtype, vec), xp)
+    vec = 16 // key.itemsize
+    if not (head_size % vec == 0 and _aligned((key, value, key_cache, value_cache), strides, vec)):
+        vec = 1
+    kernel = FAMILY.function(_flash(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype], vec), xp)
     threads = min(_THREADS, max(32, -(-num_kv_heads * head_size // vec // 32) * 32))
     kernel((num_tokens,), (threads,),
-           (key, value, key_cache, value_cache, slot_mapping, *(np.int64(s) for s in strides),
+           (key, value, key_cache, value_cache, slot_mapping, *scales, *(np.int64(s) for s in strides),
             np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+                      k_scale=1.0, v_scale=1.0, *, validate=None):
+    """vLLM's ``reshape_and_cache`` for the v1/v2 paged-attention layout.
+
+    key cache ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``, value cache
+    ``[num_blocks, num_kv_heads, head_size, block_size]``, x = 16 // cache itemsize (8 for 16-bit
+    caches, 4 for float32, 16 for fp8); head_size must be a multiple of x. Otherwise as
+    :func:`reshape_and_cache_flash`.
+    """
+    xp = array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    ctype, want = _check_key_value(key, value, kv_cache_dtype)
+    num_tokens, num_kv_heads, head_size = key.shape
+    x = 16 // want.itemsize
+    if head_size % x:
+        raise ValueError(f"the vLLM cache layout packs x={x} elements of a {want} cache: head_size={head_size} "
+                         f"(key's last dimension) must be a multiple of {x}")
+    check_ndim("key_cache", key_cache, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
+    check_ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, head_size, block_size]")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_cache_dtype(name, cache, want, kv_cache_dtype)
+        check_last_contiguous(name, cache)
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[3]
+    if key_cache.shape[1:] != (num_kv_heads, head_size // x, block_size, x):
+        raise ValueError(f"key_cache must be [num_blocks, {num_kv_heads}, {head_size // x}, block_size, {x}], "
+                         f"got shape {tuple(key_cache.shape)}")
+    if value_cache.shape != (num_blocks, num_kv_heads, head_size, block_size):
+        raise ValueError(f"value_cache must be [{num_blocks}, {num_kv_heads}, {head_size}, {block_size}], "
+                         f"got shape {tuple(value_cache.shape)}")
+    check_slot_mapping(slot_mapping, num_tokens)
+    scales = _scales(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
+    if validate_enabled(validate):
+        check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
+    if num_tokens == 0 or num_kv_heads * head_size == 0:
+        return
+    kv_strides = (*element_strides("key", key)[:2], *element_strides("value", value)[:2])
+    kc = element_strides("key_cache", key_cache)[:4]
+    vc = element_strides("value_cache", value_cache)[:3]
+    vec = _aligned((key, value), kv_strides, 16 // key.itemsize) and _aligned((key_cache,), kc, x)
+    kernel = FAMILY.function(_vllm(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype], vec), xp)
+    kernel((num_tokens,), (_THREADS,),
+           (key, value, key_cache, value_cache, slot_mapping, *scales, *(np.int64(s) for s in kv_strides + kc + vc),
+            np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=1.0, *, validate=None):
+    """vLLM's ``concat_and_cache_mla``: ``kv_c`` ``[num_tokens, kv_lora_rank]`` and ``k_pe``
+    ``[num_tokens, rope_dim]`` written side by side into ``kv_cache``
+    ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (uint8 with one ``scale`` for fp8)."""
+    xp = array_module(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    check_ndim("kv_c", kv_c, 2, "[num_tokens, kv_lora_rank]")
+    check_ndim("k_pe", k_pe, 2, "[num_tokens, rope_dim]")
+    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
+    ctype = kernel_scalar_type("kv_c", kv_c)
+    if k_pe.dtype != kv_c.dtype:
+        raise TypeError(f"k_pe must have kv_c's dtype {kv_c.dtype}, got {k_pe.dtype}")
+    num_tokens, kv_lora_rank = kv_c.shape
+    if k_pe.shape[0] != num_tokens:
+        raise ValueError(f"k_pe must have num_tokens={num_tokens} rows like kv_c, got shape {tuple(k_pe.shape)}")
+    rope_dim = k_pe.shape[1]
+    _check_cache_dtype("kv_cache", kv_cache, cache_dtype(kv_cache_dtype, kv_c.dtype), kv_cache_dtype)
+    if kv_cache.shape[2] != kv_lora_rank + rope_dim:
+        raise ValueError(f"kv_cache's last dimension must be kv_lora_rank + rope_dim = {kv_lora_rank + rope_dim}, "
+                         f"got shape {tuple(kv_cache.shape)}")
+    for name, a in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache)):
+        check_last_contiguous(name, a)
+    check_slot_mapping(slot_mapping, num_tokens)
+    ptr, value, _ = scale_args("scale", scale, xp, kv_cache_dtype, None)
+    num_blocks, block_size = kv_cache.shape[:2]
+    if validate_enabled(validate):
+        check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
+    if num_tokens == 0:
+        return
+    strides = (element_strides("kv_c", kv_c)[0], element_strides("k_pe", k_pe)[0],
+               *element_strides("kv_cache", kv_cache)[:2])
+    kernel = FAMILY.function(_mla(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype]), xp)
+    kernel((num_tokens,), (_THREADS,),
+           (kv_c, k_pe, kv_cache, slot_mapping, ptr, value, *(np.int64(s) for s in strides),
+            np.int32(kv_lora_rank), np.int32(rope_dim), np.int32(block_size)))
+

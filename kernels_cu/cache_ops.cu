@@ -1,18 +1,27 @@
-// cache_ops.cu: scatter new keys/values into the paged KV cache.
+// cache_ops.cu: write new keys/values into the paged KV cache, copy and gather cache blocks.
 //
-// Maths: key_cache[slot / block_size, slot % block_size, h, :] = key[t, h, :] for every token t
-// whose slot = slot_mapping[t] is >= 0 (negative slots are padding and skipped); same for values.
+// Maths: cache[slot / block_size, slot % block_size, h, :] = quantize(key[t, h, :], k_scale[h])
+// for every token t whose slot = slot_mapping[t] >= 0 (negative slots are padding); quantize is
+// the identity for kv_cache_dtype "auto" and saturate(x / scale) to fp8 e4m3/e5m2 otherwise.
 //
-// Layouts (DESIGN.md §4), all strides in elements, last dimension contiguous:
+// Layouts (DESIGN.md §4), strides in elements, last dimension contiguous:
 //   key, value           [num_tokens, num_kv_heads, head_size]   any token / head stride (fused QKV views)
-//   key/value_cache NHD  [num_blocks, block_size, num_kv_heads, head_size]
-//                   HND  [num_blocks, num_kv_heads, block_size, head_size]
-// Both cache layouts are one kernel: the wrapper passes (block, slot-in-block, head) strides.
+//   flash NHD            [num_blocks, block_size, num_kv_heads, head_size]
+//   flash HND            [num_blocks, num_kv_heads, block_size, head_size]
+//   vLLM key cache       [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 / sizeof(cache)
+//   vLLM value cache     [num_blocks, num_kv_heads, head_size, block_size]
+//   MLA cache            [num_blocks, block_size, kv_lora_rank + rope_dim]
+// Both flash layouts are one kernel: the wrapper passes (block, slot-in-block, head) strides.
 //
-// Versions:
-//   v1 reshape_and_cache_flash_kernel: one CTA per token, each thread moves 16-byte vectors
-//      (VEC elements) of every head; VEC = 1 when an address or stride is not 16-byte aligned.
-//      Pure copy: memory-bound, every byte read once and written once.
+// Versions (all memory-bound copies: every byte read once, written once):
+//   v1 reshape_and_cache_flash_kernel: one CTA per token, 16-byte loads of VEC source elements.
+//   v1 reshape_and_cache_kernel: one CTA per token; a key chunk of x elements is one 16-byte
+//      store in the vLLM layout, value elements are block_size apart (inherent to that layout).
+//   v1 concat_and_cache_mla_kernel: one CTA per token, latent then rope part.
+//   v1 gather_cache_kernel: one CTA per gathered token (token_to_seq given: vLLM's
+//      gather_and_maybe_dequant_cache), or (sequence, split) CTAs walking a sequence
+//      (cp_gather_cache); fp8 rows dequantized into dst's dtype.
+//   v1 copy_blocks_kernel: one CTA per (src, dst) pair, the block moved as raw 16-byte words.
 //
 // Test:      pytest tests/test_cache_ops.py        (sim; cuda too when a GPU is present)
 // Benchmark: python profiling/bench_cache_ops.py
@@ -20,32 +29,154 @@
 
 namespace cupaged {
 
-template <class T, class SlotT, int VEC>
+template <class T, int KV, class SlotT, int VEC>
 __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
     const T* __restrict__ key,              // [num_tokens, num_kv_heads, head_size]
     const T* __restrict__ value,            // [num_tokens, num_kv_heads, head_size]
-    T* __restrict__ key_cache,              // [num_blocks, block_size, num_kv_heads, head_size] (NHD) or HND
-    T* __restrict__ value_cache,            // same shape and strides as key_cache
+    typename CacheType<KV, T>::type* __restrict__ key_cache,    // NHD or HND, see strides
+    typename CacheType<KV, T>::type* __restrict__ value_cache,  // same shape and strides as key_cache
     const SlotT* __restrict__ slot_mapping, // [num_tokens]; < 0 = padding
-    long long key_stride, long long key_head_stride,
-    long long value_stride, long long value_head_stride,
+    const float* __restrict__ k_scale,      // [1] or [num_kv_heads], or nullptr: use k_scale_value
+    const float* __restrict__ v_scale,
+    float k_scale_value, float v_scale_value, int scale_per_head,
+    long long key_stride, long long key_head_stride, long long value_stride, long long value_head_stride,
     long long block_stride, long long page_stride, long long head_stride,
     int num_kv_heads, int head_size, int block_size) {
   const long long token = blockIdx.x;
   const long long slot = static_cast<long long>(slot_mapping[token]);
   if (slot < 0) return;
-  const long long block = slot / block_size;
-  const long long offset = slot % block_size;
-  const long long cache_base = block * block_stride + offset * page_stride;
-  const int vecs_per_head = head_size / VEC;
-  const int n = num_kv_heads * vecs_per_head;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int h = i / vecs_per_head;
-    const int e = (i - h * vecs_per_head) * VEC;
+  const long long cache_base = slot / block_size * block_stride + slot % block_size * page_stride;
+  const int chunks_per_head = head_size / VEC;
+  for (int i = threadIdx.x; i < num_kv_heads * chunks_per_head; i += blockDim.x) {
+    const int h = i / chunks_per_head;
+    const int e = (i - h * chunks_per_head) * VEC;
     const long long dst = cache_base + h * head_stride + e;
-    store_vec<T, VEC>(key_cache + dst, load_vec<T, VEC>(key + token * key_stride + h * key_head_stride + e));
-    store_vec<T, VEC>(value_cache + dst, load_vec<T, VEC>(value + token * value_stride + h * value_head_stride + e));
+    quantize_chunk<KV, VEC, (VEC > 1)>(key_cache + dst, key + token * key_stride + h * key_head_stride + e,
+                                       read_scale(k_scale, k_scale_value, scale_per_head, h));
+    quantize_chunk<KV, VEC, (VEC > 1)>(value_cache + dst, value + token * value_stride + h * value_head_stride + e,
+                                       read_scale(v_scale, v_scale_value, scale_per_head, h));
   }
+}
+
+template <class T, int KV, class SlotT, bool VEC>
+__global__ void __launch_bounds__(256) reshape_and_cache_kernel(
+    const T* __restrict__ key,              // [num_tokens, num_kv_heads, head_size]
+    const T* __restrict__ value,            // [num_tokens, num_kv_heads, head_size]
+    typename CacheType<KV, T>::type* __restrict__ key_cache,    // [num_blocks, num_kv_heads, head_size/x, block_size, x]
+    typename CacheType<KV, T>::type* __restrict__ value_cache,  // [num_blocks, num_kv_heads, head_size, block_size]
+    const SlotT* __restrict__ slot_mapping, // [num_tokens]; < 0 = padding
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    float k_scale_value, float v_scale_value, int scale_per_head,
+    long long key_stride, long long key_head_stride, long long value_stride, long long value_head_stride,
+    long long kc_block_stride, long long kc_head_stride, long long kc_chunk_stride, long long kc_page_stride,
+    long long vc_block_stride, long long vc_head_stride, long long vc_dim_stride,
+    int num_kv_heads, int head_size, int block_size) {
+  typedef typename CacheType<KV, T>::type CacheT;
+  constexpr int X = 16 / int(sizeof(CacheT));
+  const long long token = blockIdx.x;
+  const long long slot = static_cast<long long>(slot_mapping[token]);
+  if (slot < 0) return;
+  const long long block = slot / block_size, offset = slot % block_size;
+  const int chunks_per_head = head_size / X;
+  for (int i = threadIdx.x; i < num_kv_heads * chunks_per_head; i += blockDim.x) {
+    const int h = i / chunks_per_head;
+    const int c = i - h * chunks_per_head;
+    CacheT* dst = key_cache + block * kc_block_stride + h * kc_head_stride + c * kc_chunk_stride + offset * kc_page_stride;
+    quantize_chunk<KV, X, VEC>(dst, key + token * key_stride + h * key_head_stride + c * X,
+                               read_scale(k_scale, k_scale_value, scale_per_head, h));
+  }
+  for (int i = threadIdx.x; i < num_kv_heads * head_size; i += blockDim.x) {
+    const int h = i / head_size;
+    const int d = i - h * head_size;
+    value_cache[block * vc_block_stride + h * vc_head_stride + d * vc_dim_stride + offset] =
+        quantize<KV>(value[token * value_stride + h * value_head_stride + d],
+                     read_scale(v_scale, v_scale_value, scale_per_head, h));
+  }
+}
+
+template <class T, int KV, class SlotT>
+__global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(
+    const T* __restrict__ kv_c,             // [num_tokens, kv_lora_rank]
+    const T* __restrict__ k_pe,             // [num_tokens, rope_dim]
+    typename CacheType<KV, T>::type* __restrict__ kv_cache,  // [num_blocks, block_size, kv_lora_rank + rope_dim]
+    const SlotT* __restrict__ slot_mapping, // [num_tokens]; < 0 = padding
+    const float* __restrict__ scale, float scale_value,
+    long long kv_c_stride, long long k_pe_stride, long long block_stride, long long entry_stride,
+    int kv_lora_rank, int rope_dim, int block_size) {
+  const long long token = blockIdx.x;
+  const long long slot = static_cast<long long>(slot_mapping[token]);
+  if (slot < 0) return;
+  const float s = read_scale(scale, scale_value, 0, 0);
+  auto* dst = kv_cache + slot / block_size * block_stride + slot % block_size * entry_stride;
+  for (int i = threadIdx.x; i < kv_lora_rank + rope_dim; i += blockDim.x) {
+    const T x = i < kv_lora_rank ? kv_c[token * kv_c_stride + i] : k_pe[token * k_pe_stride + i - kv_lora_rank];
+    dst[i] = quantize<KV>(x, s);
+  }
+}
+
+// One cache row [entry_size] dequantized into dst's type.
+template <int KV, class OutT, class CacheT>
+__device__ __forceinline__ void gather_row(OutT* dst, const CacheT* src, int entry_size, float scale) {
+  for (int i = threadIdx.x; i < entry_size; i += blockDim.x) dst[i] = dequantize<KV, OutT>(src[i], scale);
+}
+
+template <class OutT, int KV>
+__global__ void __launch_bounds__(256) gather_and_maybe_dequant_cache_kernel(
+    const typename CacheType<KV, OutT>::type* __restrict__ src_cache,  // [num_blocks, block_size, entry_size]
+    OutT* __restrict__ dst,                 // [>= num_tokens, entry_size]
+    const int* __restrict__ block_table,    // [batch, max_blocks_per_seq]
+    const int* __restrict__ cu_seq_lens,    // [batch + 1]
+    const int* __restrict__ token_to_seq,   // [>= num_tokens]
+    const int* __restrict__ seq_starts,     // [batch] or nullptr
+    const float* __restrict__ scale, float scale_value,
+    long long block_stride, long long entry_stride, long long dst_stride, long long table_stride,
+    int entry_size, int block_size) {
+  const int token = blockIdx.x;
+  const int b = token_to_seq[token];
+  if (token >= cu_seq_lens[b + 1]) return;
+  const long long pos = token - cu_seq_lens[b] + (seq_starts ? seq_starts[b] : 0);
+  const long long block = block_table[b * table_stride + pos / block_size];
+  gather_row<KV>(dst + token * dst_stride, src_cache + block * block_stride + pos % block_size * entry_stride,
+                 entry_size, read_scale(scale, scale_value, 0, 0));
+}
+
+// Raw copies move WORD-byte words (16 when every block, row and address allows it, else 1):
+// the element type does not matter, so void pointers keep one instantiation per word size.
+template <int WORD>
+__global__ void __launch_bounds__(256) cp_gather_cache_kernel(
+    const void* __restrict__ src_cache,     // [num_blocks, block_size, entry...]
+    void* __restrict__ dst,                 // [total_tokens, entry...]
+    const int* __restrict__ block_table,    // [batch, max_blocks_per_seq]
+    const int* __restrict__ cu_seq_lens,    // [batch + 1]
+    const int* __restrict__ seq_starts,     // [batch] or nullptr
+    long long block_stride, long long entry_stride, long long dst_stride, long long table_stride,
+    int entry_words, int block_size) {      // strides in words
+  typedef Vec<unsigned char, WORD> Word;
+  const Word* src_words = static_cast<const Word*>(src_cache);
+  Word* dst_words = static_cast<Word*>(dst);
+  const int b = blockIdx.x;
+  const int begin = cu_seq_lens[b], len = cu_seq_lens[b + 1] - begin;
+  const int per_split = (len + int(gridDim.y) - 1) / int(gridDim.y);
+  const int lo = int(blockIdx.y) * per_split, hi = min(len, lo + per_split);
+  const long long start = seq_starts ? seq_starts[b] : 0;
+  for (int t = lo; t < hi; ++t) {
+    const long long pos = start + t;
+    const long long block = block_table[b * table_stride + pos / block_size];
+    const Word* src = src_words + block * block_stride + pos % block_size * entry_stride;
+    for (int i = threadIdx.x; i < entry_words; i += blockDim.x) dst_words[(begin + t) * dst_stride + i] = src[i];
+  }
+}
+
+template <int WORD>
+__global__ void __launch_bounds__(256) copy_blocks_kernel(
+    void* __restrict__ cache,               // [num_blocks, ...]: each block block_words contiguous words
+    const long long* __restrict__ block_mapping,  // [num_pairs, 2] (src, dst)
+    long long block_stride, long long block_words) {  // in words
+  typedef Vec<unsigned char, WORD> Word;
+  Word* words = static_cast<Word*>(cache);
+  const long long src = block_mapping[2 * blockIdx.x], dst = block_mapping[2 * blockIdx.x + 1];
+  for (long long i = threadIdx.x; i < block_words; i += blockDim.x)
+    words[dst * block_stride + i] = words[src * block_stride + i];
 }
 
 }  // namespace cupaged

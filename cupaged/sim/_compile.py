@@ -38,7 +38,14 @@ def cache_dir() -> str:
     root = os.environ.get("CUPAGED_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "cupaged")
     path = os.path.join(root, "sim")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    # os.makedirs applies `mode` to the leaf only: the root it creates got 0777 & ~umask, which under
+    # a umask of 002 is group-writable, and the check below then refused the cache it had just made.
+    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
+    for d in (root, path):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
     for d in (root, path):
         st = os.stat(d)
         if st.st_uid != os.getuid() or st.st_mode & 0o022:
@@ -151,6 +158,10 @@ def build(code: str, options, names) -> tuple[str, int, int]:
         dyn_offset = _dyn_offset(out)
         with open(os.path.join(tmp, "smem"), "w") as f:
             f.write(f"{static_smem} {dyn_offset}")
+        # The linker and open() honour the umask; a group-writable object would be deleted by
+        # _usable() at the next lookup (under umask 002 the cache never hit): set the modes here.
+        os.chmod(out, 0o700)
+        os.chmod(os.path.join(tmp, "smem"), 0o600)
         os.replace(out, so)
         os.replace(os.path.join(tmp, "smem"), meta)
     return so, static_smem, dyn_offset

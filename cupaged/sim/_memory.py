@@ -2,12 +2,16 @@
 
 Layout of one allocation (page = 4 KiB)::
 
-    [guard page][pad ........ | data (nbytes) | slack < 16][guard page]
+    [guard zone][pad ........ | data (nbytes) | slack < 16][guard zone]
                                ^ 16-byte aligned            ^ page aligned
 
-The data ends (up to 15 bytes of slack) right at the trailing guard page, so a read or write past
+The data ends (up to 15 bytes of slack) right at the trailing guard zone, so a read or write past
 the end faults at once; pad and slack are filled with 0xFF (NaN for every float type) and checked
-after each launch, which catches the small overruns that stay inside the page.
+after each launch, which catches the small overruns that stay inside the page. Each guard zone is
+GUARD bytes of PROT_NONE address space (nothing is touched, so it costs no memory): an access up to
+that far before or after the data faults and is attributed to this buffer, instead of landing in
+some other mapping. A read inside the pad (just before the start) or the slack cannot fault; it
+yields 0xFF bytes.
 
 ``empty/zeros/asarray`` return numpy arrays that live in such memory from birth and are passed to
 kernels without a copy; plain numpy arrays are copied into a temporary one per launch and back.
@@ -17,35 +21,42 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
 
 import numpy as np
 
 __all__ = ["GuardedBuffer", "empty", "zeros", "empty_like", "zeros_like", "asarray", "guarded_buffer"]
 
 PAGE = mmap.PAGESIZE
+GUARD = 1 << 20  # bytes of PROT_NONE address space on each side of the data
 FILL = 0xFF
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0  # the guard zones need no swap reserve
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class GuardedBuffer(mmap.mmap):
-    """An anonymous mapping with a PROT_NONE page on each side of ``nbytes`` of data."""
+    """An anonymous mapping with a PROT_NONE guard zone on each side of ``nbytes`` of data."""
 
     def __new__(cls, nbytes: int):
         nbytes = int(nbytes)
-        span = -(-(nbytes + 15) // 16) * 16 if nbytes else 0
+        # Round up to a multiple of 16 (not nbytes + 15: that left 16 bytes of slack when nbytes is
+        # already a multiple of 16, so a read just past the end of most arrays did not fault).
+        span = -(-nbytes // 16) * 16
         inner = max(PAGE, -(-span // PAGE) * PAGE)
-        self = super().__new__(cls, -1, inner + 2 * PAGE)
+        self = super().__new__(cls, -1, inner + 2 * GUARD,
+                               flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self.nbytes = nbytes
         self.base_addr = ctypes.addressof(ctypes.c_char.from_buffer(self))
-        self.offset = PAGE + inner - span  # data start, 16-byte aligned
+        self.offset = GUARD + inner - span  # data start, 16-byte aligned
         self.data_addr = self.base_addr + self.offset
-        self.lo = self.base_addr + PAGE  # first byte after the leading guard
-        self.hi = self.base_addr + PAGE + inner  # first byte of the trailing guard
+        self.lo = self.base_addr + GUARD  # first byte after the leading guard zone
+        self.hi = self.base_addr + GUARD + inner  # first byte of the trailing guard zone
+        self.end_addr = self.hi + GUARD  # end of the mapping
         ctypes.memset(self.lo, FILL, inner)
         for start in (self.base_addr, self.hi):
-            if _libc.mprotect(start, PAGE, 0) != 0:
-                raise OSError(ctypes.get_errno(), "mprotect failed for a guard page")
+            if _libc.mprotect(start, GUARD, 0) != 0:
+                raise OSError(ctypes.get_errno(), "mprotect failed for a guard zone")
         return self
 
     def array(self, shape, dtype) -> np.ndarray:

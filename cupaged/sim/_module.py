@@ -107,7 +107,10 @@ class RawModule:
         self.options = tuple(options)
         self.name_expressions = tuple(name_expressions)
         names = list(self.name_expressions)
-        for m in re.finditer(r'extern\s+"C"\s+__global__\s+(?:void\s+)?(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(', code):
+        # __launch_bounds__(...) may stand before or after `void` (CUTLASS puts it before): drop it
+        # first, else its name was taken for the kernel's and the generated wrappers did not compile.
+        scan = re.sub(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)", " ", code)
+        for m in re.finditer(r'extern\s+"C"\s+__global__\s+(?:\w+\s+)*?(\w+)\s*\(', scan):
             if m.group(1) not in names:
                 names.append(m.group(1))
         self._names = names
@@ -180,7 +183,8 @@ class RawKernel:
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         args = tuple(args)
         if len(args) != len(self.param_types):
-            raise TypeError(f"{self.name} takes {len(self.param_types)} arguments, got {len(args)}")
+            raise TypeError(f"{self.name}({', '.join(self.param_names)}) takes {len(self.param_types)} arguments, "
+                            f"got {len(args)}")
         grid, block = _dim3(grid, "grid"), _dim3(block, "block")
         nthreads = block[0] * block[1] * block[2]
         if nthreads > 1024 or block[2] > 64 or grid[0] >= 2**31 or grid[1] > 65535 or grid[2] > 65535:
@@ -197,7 +201,9 @@ class RawKernel:
                              f"shared memory exceed {arch}'s {limit} bytes per block")
         cvals, views = [None] * len(args), []
         for i, (code, a) in enumerate(zip(self.param_types, args)):
-            if code.startswith("ptr:"):
+            if code.startswith("ptr:") and a is None:
+                cvals[i] = ctypes.c_void_p(0)  # a null pointer, as CuPy passes None
+            elif code.startswith("ptr:"):
                 self._check_array(i, code, a)
                 views.append((i, a))
             else:
@@ -216,6 +222,7 @@ class RawKernel:
                 rc = self._launch(ctypes.byref(cfg), ptrs)
                 err = self.module._lib.cupaged_sim_error().contents if rc else None
                 if rc:
+                    staged.repair()
                     raise self._error(rc, err, staged, shared_mem)
             staged.check_slack()
         finally:
@@ -273,7 +280,7 @@ class _Staging:
 
     def describe(self, addr, kind):
         for i, buf in self.buffers.items():
-            if buf.base_addr <= addr < buf.hi + 4096:
+            if buf.base_addr <= addr < buf.end_addr:
                 off = addr - self.ptr[i]
                 return (f"out-of-bounds {kind} of {self.names[i]} at byte offset {off} "
                         f"(its memory spans {buf.data_addr - self.ptr[i]}..{buf.data_addr + buf.nbytes - self.ptr[i]})")
@@ -287,6 +294,13 @@ class _Staging:
                 off = bad[0] + buf.data_addr - self.ptr[i]
                 raise SimMemoryError(f"out-of-bounds write to {self.names[i]}: {bad[1]} byte(s) changed "
                                      f"around byte offset {off}, outside its {buf.nbytes} bytes")
+
+    def repair(self):
+        """After a failed launch: restore pad and slack, so the error does not resurface as a bogus
+        out-of-bounds write in the next launch that uses the same (guarded) array."""
+        for buf in set(self.buffers.values()):
+            if buf.damaged() is not None:
+                buf.repair()
 
     def finish(self):
         for lo, hi, buf, writable, _ in self.groups:

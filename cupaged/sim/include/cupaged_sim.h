@@ -60,10 +60,15 @@ inline T from_bits(unsigned long long b) {
 }  // namespace cupaged_sim
 
 // ---- barriers
-#define __syncthreads() ::cupaged_sim::barrier(0, 0, __LINE__)
-#define __syncthreads_count(p) ::cupaged_sim::barrier(1, (p) != 0, __LINE__)
-#define __syncthreads_and(p) ::cupaged_sim::barrier(2, (p) != 0, __LINE__)
-#define __syncthreads_or(p) ::cupaged_sim::barrier(3, (p) != 0, __LINE__)
+// A barrier's call site is the address of a static object unique to each expansion of the macro
+// (each lambda has its own). Not the return address: g++ duplicates calls (jump threading turns
+// `if (c) ...; __syncthreads(); if (c) ...` into two paths with a call each), and threads of one
+// source barrier then returned to different addresses: a false "divergent __syncthreads".
+#define CUPAGED_SIM_SITE() ([]() -> const void* { static const char cupaged_sim_site = 0; return &cupaged_sim_site; }())
+#define __syncthreads() ::cupaged_sim::barrier(0, 0, __LINE__, CUPAGED_SIM_SITE())
+#define __syncthreads_count(p) ::cupaged_sim::barrier(1, (p) != 0, __LINE__, CUPAGED_SIM_SITE())
+#define __syncthreads_and(p) ::cupaged_sim::barrier(2, (p) != 0, __LINE__, CUPAGED_SIM_SITE())
+#define __syncthreads_or(p) ::cupaged_sim::barrier(3, (p) != 0, __LINE__, CUPAGED_SIM_SITE())
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 inline void __threadfence_system() {}
@@ -103,7 +108,7 @@ inline unsigned reduce(int kind, unsigned m, unsigned v, int line) { return unsi
 #define __syncwarp(...) ((void)::cupaged_sim::collective(::cupaged_sim::SYNCWARP, ::cupaged_sim::syncwarp_mask(__VA_ARGS__), 0, 0, 32, __LINE__))
 #define __match_any_sync(m, v) ::cupaged_sim::match_any(m, v, __LINE__)
 #define __match_all_sync(m, v, p) ::cupaged_sim::match_all(m, v, p, __LINE__)
-#define __reduce_add_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_ADD, m, unsigned(v), __LINE__)
+#define __reduce_add_sync(m, v) ::cupaged_sim::reduce_add(m, v, __LINE__)
 #define __reduce_and_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_AND, m, unsigned(v), __LINE__)
 #define __reduce_or_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_OR, m, unsigned(v), __LINE__)
 #define __reduce_xor_sync(m, v) ::cupaged_sim::reduce(::cupaged_sim::RED_XOR, m, unsigned(v), __LINE__)
@@ -113,6 +118,10 @@ namespace cupaged_sim {
 inline unsigned syncwarp_mask(unsigned m = 0xFFFFFFFFu) { return m; }
 inline int reduce_minmax(bool mn, unsigned m, int v, int line) { return int(reduce(mn ? RED_MIN : RED_MAX, m, unsigned(v), line)); }
 inline unsigned reduce_minmax(bool mn, unsigned m, unsigned v, int line) { return reduce(mn ? RED_UMIN : RED_UMAX, m, v, line); }
+// CUDA overloads __reduce_add_sync for int and unsigned (crt/sm_80_rt.h): the int one returns int,
+// so a negative sum stays negative when it is widened or converted to floating point.
+inline int reduce_add(unsigned m, int v, int line) { return int(reduce(RED_ADD, m, unsigned(v), line)); }
+inline unsigned reduce_add(unsigned m, unsigned v, int line) { return reduce(RED_ADD, m, v, line); }
 }  // namespace cupaged_sim
 // Lanes of the warp that have not exited (the sim cannot see divergence within a warp).
 inline unsigned __activemask() { return ::cupaged_sim::g.warps[::cupaged_sim::g.cur->warp].live; }

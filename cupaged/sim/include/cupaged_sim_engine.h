@@ -83,7 +83,7 @@ struct SimThread {
   int linear, warp, lane;
   int state;
   // barrier
-  void* bar_site;
+  const void* bar_site;  // identifies the source call site (see CUPAGED_SIM_SITE)
   int bar_line, bar_kind, bar_pred, bar_result;
   // warp collective
   int group, line;
@@ -279,14 +279,14 @@ static void release_barrier() {
   release(ids, n);
 }
 
-__attribute__((noinline)) static int barrier(int kind, int pred, int line) {
+__attribute__((noinline)) static int barrier(int kind, int pred, int line, const void* site) {
   SimThread* t = g.cur;
   if (g.exited) {
     set_error(E_SYNC, "%s (line %d) reached after %d thread(s) of the block exited: every thread of the block must reach it",
               kBarName[kind], line, g.exited);
     abort_fiber();
   }
-  t->bar_site = __builtin_return_address(0);
+  t->bar_site = site;
   t->bar_line = line; t->bar_kind = kind; t->bar_pred = pred;
   t->state = WAIT_BAR;
   if (++g.bar_arrived == g.nthreads) release_barrier();

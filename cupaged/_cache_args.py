@@ -1,0 +1,89 @@
+"""Argument checks shared by the cache ops: kv_cache_dtype, scales, slot mappings, index arrays."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from cupaged._checks import CTYPE, FLOAT_DTYPES, check_choice, check_dtype, check_ndim
+
+__all__ = ["KV_CACHE_DTYPES", "KV_CODE", "cache_dtype", "scale_args", "check_slot_mapping", "check_index",
+           "host_copy", "kernel_scalar_type"]
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CODE = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}  # KvDtype in kernels_cu/common.cuh
+SLOT_DTYPES = (np.int64, np.int32)
+
+
+def cache_dtype(kv_cache_dtype: str, dtype) -> np.dtype:
+    """The dtype a cache must have for data of ``dtype``: the same for "auto", uint8 for fp8."""
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    return np.dtype(dtype) if kv_cache_dtype == "auto" else np.dtype(np.uint8)
+
+
+def kernel_scalar_type(name: str, a) -> str:
+    """C++ name of a data array's element type (float32 / float16 / bfloat16)."""
+    check_dtype(name, a, FLOAT_DTYPES)
+    return CTYPE[a.dtype]
+
+
+def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | None):
+    """(device array or None, float32 value, per_head flag) for a kernel's scale parameters.
+
+    A float is passed by value (nothing to upload, so graph-capturable); an array of 1 or
+    ``[num_kv_heads]`` float32 values is read by the kernel through a pointer, never on the host.
+    A numpy scale array beside cupy data is uploaded. Scales are ignored for "auto".
+    """
+    if kv_cache_dtype == "auto":
+        return None, np.float32(1.0), np.int32(0)
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        value = float(scale)
+        if not np.isfinite(value) or value <= 0:
+            raise ValueError(f"{name} must be a finite positive float, got {scale!r}")
+        return None, np.float32(value), np.int32(0)
+    module = type(scale).__module__.split(".")[0]
+    if module not in ("numpy", "cupy") or not hasattr(scale, "dtype"):
+        raise TypeError(f"{name} must be a float or a float32 array, got {type(scale).__name__}")
+    if scale.dtype != np.float32:
+        raise TypeError(f"{name} must be a float32 array, got dtype {scale.dtype}")
+    allowed = (1,) if num_kv_heads is None else (1, num_kv_heads)
+    if scale.ndim > 1 or scale.size not in allowed:
+        what = "1 value" if num_kv_heads is None else f"1 or num_kv_heads={num_kv_heads} values"
+        raise ValueError(f"{name} must hold {what}, got shape {tuple(scale.shape)}")
+    if module == "cupy" and xp is np:
+        raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
+    if module == "numpy" and xp is not np:
+        scale = xp.asarray(scale)
+    elif module == "numpy":
+        scale = np.ascontiguousarray(scale)
+    return scale.reshape(-1), np.float32(1.0), np.int32(scale.size > 1)
+
+
+def check_slot_mapping(slot_mapping, num_tokens: int) -> None:
+    check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    check_dtype("slot_mapping", slot_mapping, SLOT_DTYPES)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping must have num_tokens={num_tokens} entries, got {slot_mapping.shape[0]}")
+    if num_tokens > 1 and slot_mapping.strides[0] != slot_mapping.itemsize:
+        raise ValueError(f"slot_mapping must be contiguous, got stride {slot_mapping.strides[0]} bytes")
+
+
+def check_index(name: str, a, ndim: int, dims: str, dtypes=(np.int32,)) -> None:
+    """An index array: given rank and dtype, C-contiguous rows (the kernels take a row stride)."""
+    check_ndim(name, a, ndim, dims)
+    check_dtype(name, a, dtypes)
+    if a.size > 1 and a.strides[-1] != a.itemsize:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(a.strides)}")
+
+
+def host_copy(a) -> np.ndarray:
+    """A numpy copy of a numpy or cupy array (only for validate=True content checks)."""
+    return np.asarray(a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a)
+
+
+def check_slots_in_pool(slot_mapping, num_slots: int, what: str) -> None:
+    slots = host_copy(slot_mapping)
+    bad = np.flatnonzero(slots >= num_slots)
+    if bad.size:
+        raise ValueError(f"slot_mapping[{bad[0]}] = {slots[bad[0]]} is outside the pool of {what}")

@@ -1,0 +1,126 @@
+"""The product of :meth:`cupaged.pool.BlockPool.plan`: the index arrays one forward step's kernels
+take (DESIGN.md §4), and their upload to the GPU in one copy from pinned staging memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+
+__all__ = ["BatchPlan", "PinnedStaging", "default_array_module"]
+
+
+def default_array_module():
+    """cupy when it imports and sees a device, else ``cupaged.sim`` (guarded numpy)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except Exception:  # no cupy, no driver or no device: all mean "run on the sim"
+        pass
+    from cupaged import sim
+
+    return sim
+
+
+def resolve_array_module(xp, name="xp"):
+    """``None`` -> the default; numpy or ``cupaged.sim`` -> ``cupaged.sim``; cupy -> cupy."""
+    from cupaged import sim
+
+    if xp is None:
+        return default_array_module()
+    if xp is np or xp is sim:
+        return sim
+    if xp is sys.modules.get("cupy"):
+        return xp
+    raise TypeError(f"{name} must be None, numpy, cupaged.sim or cupy, got {xp!r}")
+
+
+_FIELDS = ("slot_mapping", "positions", "query_start_loc", "seq_lens", "block_tables")  # int64 first
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """Index arrays of one step, sequences in batch order (S sequences, T new tokens).
+
+    ``query_start_loc`` int32 [S+1], ``seq_lens`` int32 [S] (context including the new tokens),
+    ``block_tables`` int32 [S, max_blocks] (0-padded), ``slot_mapping`` int64 [T] (-1 for
+    positions served by the prefix cache), ``positions`` int64 [T]; ``max_seq_len`` and
+    ``max_query_len`` are the host-side launch hints of DESIGN.md §6. The arrays belong to the
+    caller: no later pool call changes them.
+    """
+
+    query_start_loc: object
+    seq_lens: object
+    block_tables: object
+    slot_mapping: object
+    positions: object
+    max_seq_len: int
+    max_query_len: int
+    _staging: PinnedStaging | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def to_device(self, xp=None) -> BatchPlan:
+        """The same plan on the device: cupy arrays uploaded with one host-to-device copy on the
+        current stream (asynchronous, from pinned memory), or guarded numpy arrays on the sim.
+        ``xp`` as for :class:`cupaged.KVCache` (None: cupy when a GPU is usable, else the sim)."""
+        if not isinstance(self.seq_lens, np.ndarray):
+            return self
+        from cupaged import sim
+
+        xp = resolve_array_module(xp)
+        arrays = {f: getattr(self, f) for f in _FIELDS}
+        if xp is sim:
+            arrays = {f: xp.asarray(a) for f, a in arrays.items()}
+        else:
+            staging = self._staging if self._staging is not None else PinnedStaging()
+            arrays = staging.upload(xp, arrays)
+        return dataclasses.replace(self, **arrays, _staging=None)
+
+
+class PinnedStaging:
+    """Pinned host buffers used in turn for plan uploads.
+
+    A host-to-device copy from pinned memory is asynchronous: the host may not refill a buffer
+    until the copy reading it has finished. Each buffer carries the event recorded after its last
+    copy, and is reused only after that event has completed; with ``depth`` buffers in rotation
+    the host waits only when it runs ``depth`` uploads ahead of the GPU.
+    """
+
+    def __init__(self, depth: int = 2):
+        self._buffers = [None] * depth  # pinned memory per slot
+        self._events = [None] * depth  # event recorded after the slot's last copy
+        self._next = 0
+
+    def upload(self, cp, arrays: dict) -> dict:
+        offsets, nbytes = {}, 0
+        for name, a in arrays.items():  # int64 arrays first: every offset stays 8-byte aligned
+            offsets[name] = nbytes
+            nbytes += -(-a.nbytes // 8) * 8
+        slot = self._next
+        self._next = (slot + 1) % len(self._buffers)
+        if self._events[slot] is not None:
+            self._events[slot].synchronize()  # the copy still reading this buffer is done
+        buf = self._buffers[slot]
+        if buf is None or len(buf) < nbytes:
+            mem = cp.cuda.alloc_pinned_memory(max(nbytes, 2 * len(buf) if buf is not None else 4096))
+            buf = self._buffers[slot] = np.frombuffer(mem, np.uint8)
+        for name, a in arrays.items():
+            buf[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
+        stream = cp.cuda.get_current_stream()
+        device = cp.empty(max(nbytes, 8), cp.uint8)
+        device.data.copy_from_host_async(buf.ctypes.data, nbytes, stream)
+        if self._events[slot] is None:
+            self._events[slot] = cp.cuda.Event(disable_timing=True)
+        self._events[slot].record(stream)
+        return {name: device[offsets[name]:offsets[name] + a.nbytes].view(a.dtype).reshape(a.shape)
+                for name, a in arrays.items()}

@@ -1,0 +1,228 @@
+"""Reading and moving cache blocks (kernels_cu/cache_ops.cu): gather rows of sequences into a dense
+buffer (with fp8 dequantization), copy blocks inside a cache (copy-on-write), swap blocks between
+caches (host <-> device)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupaged._cache_args import KV_CODE, cache_dtype, check_index, host_copy, scale_args
+from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
+    element_strides, validate_enabled
+from cupaged._runtime import array_module
+from cupaged.cache_ops import FAMILY, _gather, _words
+
+__all__ = ["gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks", "swap_blocks"]
+
+_THREADS = 256
+
+
+def _check_tables(block_table, cu_seq_lens, seq_starts, batch: int):
+    check_index("block_table", block_table, 2, "[batch, max_blocks_per_seq]")
+    check_index("cu_seq_lens", cu_seq_lens, 1, "[batch + 1]")
+    if block_table.shape[0] < batch or cu_seq_lens.shape[0] < batch + 1:
+        raise ValueError(f"block_table must have >= {batch} rows and cu_seq_lens >= {batch + 1} entries, got "
+                         f"shapes {tuple(block_table.shape)} and {tuple(cu_seq_lens.shape)}")
+    if seq_starts is not None:
+        check_index("seq_starts", seq_starts, 1, "[batch]")
+        if seq_starts.shape[0] < batch:
+            raise ValueError(f"seq_starts must have >= {batch} entries, got {seq_starts.shape[0]}")
+
+
+def _check_reads(src_cache, block_table, cu_seq_lens, seq_starts, seqs_of_tokens):
+    """validate=True: every (sequence, token) read stays inside its block-table row and the pool."""
+    bt, cu = host_copy(block_table), host_copy(cu_seq_lens).astype(np.int64)
+    if np.any(np.diff(cu) < 0) or cu[0] != 0:
+        raise ValueError("cu_seq_lens must start at 0 and be non-decreasing")
+    starts = host_copy(seq_starts).astype(np.int64) if seq_starts is not None else np.zeros(len(cu), np.int64)
+    block_size, num_blocks = src_cache.shape[1], src_cache.shape[0]
+    for b, tokens in seqs_of_tokens(cu):
+        if tokens.size == 0:
+            continue
+        pos = tokens - cu[b] + starts[b]
+        idx = pos // block_size
+        if idx.max() >= bt.shape[1] or pos.min() < 0:
+            raise ValueError(f"sequence {b} reads position {pos.max()}, past its block_table row of "
+                             f"{bt.shape[1]} blocks x {block_size} (seq_starts / cu_seq_lens too large)")
+        ids = bt[b, idx]
+        if ids.min() < 0 or ids.max() >= num_blocks:
+            raise ValueError(f"block_table row {b} holds block id {ids.max() if ids.max() >= num_blocks else ids.min()}, "
+                             f"outside the pool of {num_blocks} blocks")
+
+
+def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
+                                   kv_cache_dtype="auto", scale=1.0, seq_starts=None, *, validate=None):
+    """vLLM's ``gather_and_maybe_dequant_cache``: token ``t < num_tokens`` of sequence
+    ``b = token_to_seq[t]`` reads logical position ``t - cu_seq_lens[b] (+ seq_starts[b])`` through
+    ``block_table[b]`` from ``src_cache`` ``[num_blocks, block_size, entry_size]`` into ``dst[t]``
+    (dequantized into dst's dtype for fp8). Tokens at or past ``cu_seq_lens[b + 1]`` are skipped."""
+    xp = array_module(src_cache=src_cache, dst=dst, block_table=block_table, cu_seq_lens=cu_seq_lens,
+                      token_to_seq=token_to_seq, seq_starts=seq_starts)
+    check_ndim("src_cache", src_cache, 3, "[num_blocks, block_size, entry_size]")
+    check_ndim("dst", dst, 2, "[num_tokens, entry_size]")
+    check_dtype("dst", dst, FLOAT_DTYPES)
+    want = cache_dtype(kv_cache_dtype, dst.dtype)
+    if src_cache.dtype != want:
+        raise TypeError(f"src_cache must have dtype {want} for kv_cache_dtype={kv_cache_dtype!r} and dst "
+                        f"{dst.dtype}, got {src_cache.dtype}")
+    if dst.shape[1] != src_cache.shape[2]:
+        raise ValueError(f"dst must be [num_tokens, {src_cache.shape[2]}] like src_cache's rows, got {tuple(dst.shape)}")
+    check_last_contiguous("src_cache", src_cache)
+    check_last_contiguous("dst", dst)
+    num_tokens = int(num_tokens)
+    check_index("token_to_seq", token_to_seq, 1, "[num_tokens]")
+    if not 0 <= num_tokens <= min(dst.shape[0], token_to_seq.shape[0]):
+        raise ValueError(f"num_tokens={num_tokens} must be in [0, min(dst rows {dst.shape[0]}, "
+                         f"token_to_seq entries {token_to_seq.shape[0]})]")
+    batch = cu_seq_lens.shape[0] - 1 if cu_seq_lens.ndim == 1 else 0
+    _check_tables(block_table, cu_seq_lens, seq_starts, batch)
+    ptr, value, _ = scale_args("scale", scale, xp, kv_cache_dtype, None)
+    if validate_enabled(validate):
+        t2s = host_copy(token_to_seq)[:num_tokens].astype(np.int64)
+        if t2s.size and (t2s.min() < 0 or t2s.max() >= batch):
+            raise ValueError(f"token_to_seq holds a sequence index outside [0, {batch})")
+        tokens = np.arange(num_tokens)
+        _check_reads(src_cache, block_table, cu_seq_lens, seq_starts,
+                     lambda cu: ((b, tokens[(t2s == b) & (tokens < cu[b + 1])]) for b in range(batch)))
+    if num_tokens == 0:
+        return
+    strides = (*element_strides("src_cache", src_cache)[:2], element_strides("dst", dst)[0],
+               element_strides("block_table", block_table)[0])
+    kernel = FAMILY.function(_gather(CTYPE[dst.dtype], KV_CODE[kv_cache_dtype]), xp)
+    kernel((num_tokens,), (_THREADS,),
+           (src_cache, dst, block_table, cu_seq_lens, token_to_seq, seq_starts, ptr, value,
+            *(np.int64(s) for s in strides), np.int32(dst.shape[1]), np.int32(src_cache.shape[1])))
+
+
+def _word_size(arrays, byte_strides, nbytes) -> int:
+    ok = nbytes % 16 == 0 and all(address(a) % 16 == 0 for a in arrays) and all(s % 16 == 0 for s in byte_strides)
+    return 16 if ok else 1
+
+
+def _row_contiguous(name, a, first_row_dim: int) -> int:
+    """Bytes of one row a[i, ..., :] (dims from first_row_dim on), which must be C-contiguous."""
+    expect = a.itemsize
+    for n, s in zip(reversed(a.shape[first_row_dim:]), reversed(a.strides[first_row_dim:])):
+        if n > 1 and s != expect:
+            raise ValueError(f"{name} must be C-contiguous from dimension {first_row_dim} on, got strides {tuple(a.strides)}")
+        expect *= n
+    return expect
+
+
+def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts=None, *, validate=None):
+    """vLLM's ``cp_gather_cache``: a plain copy of every token of each of the first ``batch_size``
+    sequences, ``dst[cu_seq_lens[b] + i] = src_cache[block_table[b, p // bs], p % bs]`` with
+    ``p = i (+ seq_starts[b])``; src_cache ``[num_blocks, block_size, ...]``, dst ``[total, ...]``."""
+    xp = array_module(src_cache=src_cache, dst=dst, block_table=block_table, cu_seq_lens=cu_seq_lens,
+                      seq_starts=seq_starts)
+    if src_cache.ndim < 3:
+        raise ValueError(f"src_cache must be [num_blocks, block_size, ...], got shape {tuple(src_cache.shape)}")
+    if dst.ndim != src_cache.ndim - 1 or dst.shape[1:] != src_cache.shape[2:]:
+        raise ValueError(f"dst must be [total_tokens, {', '.join(map(str, src_cache.shape[2:]))}], got {tuple(dst.shape)}")
+    if dst.dtype != src_cache.dtype:
+        raise TypeError(f"dst must have src_cache's dtype {src_cache.dtype}, got {dst.dtype}")
+    batch_size = int(batch_size)
+    if batch_size < 0:
+        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    _check_tables(block_table, cu_seq_lens, seq_starts, batch_size)
+    row_bytes = _row_contiguous("src_cache", src_cache, 2)
+    _row_contiguous("dst", dst, 1)
+    if validate_enabled(validate):
+        cu = host_copy(cu_seq_lens)[:batch_size + 1].astype(np.int64)
+        if batch_size and cu[-1] > dst.shape[0]:
+            raise ValueError(f"cu_seq_lens[{batch_size}] = {cu[-1]} exceeds dst's {dst.shape[0]} rows")
+        _check_reads(src_cache, block_table, cu_seq_lens, seq_starts,
+                     lambda c: ((b, np.arange(c[b], c[b + 1])) for b in range(batch_size)))
+    if batch_size == 0 or row_bytes == 0:
+        return
+    byte_strides = (src_cache.strides[0], src_cache.strides[1], dst.strides[0])
+    word = _word_size((src_cache, dst), byte_strides, row_bytes)
+    splits = 2 if batch_size > 128 else 4 if batch_size > 64 else 16
+    kernel = FAMILY.function(_words("cp_gather_cache_kernel", word), xp)
+    kernel((batch_size, splits), (_THREADS,),
+           (src_cache, dst, block_table, cu_seq_lens, seq_starts, *(np.int64(s // word) for s in byte_strides),
+            np.int64(element_strides("block_table", block_table)[0]), np.int32(row_bytes // word),
+            np.int32(src_cache.shape[1])))
+
+
+def _check_mapping(block_mapping, xp, bounds, validate):
+    """block_mapping int64 [n, 2] of (src, dst), each column inside its cache's blocks (checked
+    always for a host mapping, under validate for a device one); a numpy mapping beside cupy caches
+    is uploaded. ``bounds``: (name, src num_blocks, dst num_blocks) per cache."""
+    check_index("block_mapping", block_mapping, 2, "[num_pairs, 2] (src, dst)", dtypes=(np.int64,))
+    if block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [num_pairs, 2], got shape {tuple(block_mapping.shape)}")
+    host = isinstance(block_mapping, np.ndarray)
+    if block_mapping.shape[0] and (host or validate_enabled(validate)):
+        ids = host_copy(block_mapping)
+        for name, src_blocks, dst_blocks in bounds:
+            for col, what, n in ((0, "source", src_blocks), (1, "destination", dst_blocks)):
+                bad = np.flatnonzero((ids[:, col] < 0) | (ids[:, col] >= n))
+                if bad.size:
+                    raise ValueError(f"block_mapping[{bad[0]}] has {what} block {ids[bad[0], col]}, outside "
+                                     f"{name}'s {n} blocks")
+    if host and xp is not np:
+        return xp.asarray(block_mapping)
+    return block_mapping
+
+
+def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
+    """Copy whole blocks inside each cache: for every (src, dst) row of ``block_mapping`` (int64
+    ``[n, 2]``, may be numpy beside cupy caches) and every layer, ``cache[dst] = cache[src]``.
+    Caches of any layout; ``value_caches`` may be None (MLA). One launch per cache."""
+    caches = list(key_caches) + ([] if value_caches is None else list(value_caches))
+    names = [f"key_caches[{i}]" for i in range(len(key_caches))]
+    if value_caches is not None:
+        if len(value_caches) != len(key_caches):
+            raise ValueError(f"value_caches must have one cache per layer like key_caches ({len(key_caches)}), "
+                             f"got {len(value_caches)}")
+        names += [f"value_caches[{i}]" for i in range(len(value_caches))]
+    xp = array_module(**dict(zip(names, caches)))
+    for name, cache in zip(names, caches):
+        if cache.ndim < 2:
+            raise ValueError(f"{name} must be [num_blocks, ...], got shape {tuple(cache.shape)}")
+        _row_contiguous(name, cache, 1)
+    mapping = _check_mapping(block_mapping, xp, [(n, c.shape[0], c.shape[0]) for n, c in zip(names, caches)], validate)
+    if mapping.shape[0] == 0:
+        return
+    for cache in caches:
+        block_bytes = cache[0].nbytes
+        word = _word_size((cache,), (cache.strides[0],), block_bytes)
+        kernel = FAMILY.function(_words("copy_blocks_kernel", word), xp)
+        kernel((mapping.shape[0],), (_THREADS,),
+               (cache, mapping, np.int64(cache.strides[0] // word), np.int64(block_bytes // word)))
+
+
+def swap_blocks(src, dst, block_mapping):
+    """Copy whole blocks ``dst[d] = src[s]`` for every (s, d) row of ``block_mapping`` between two
+    caches of the same block shape and dtype: host <-> device with numpy/cupy pairs on a GPU,
+    numpy <-> numpy on the sim. The mapping is read on the host."""
+    for name, a in (("src", src), ("dst", dst)):
+        if type(a).__module__.split(".")[0] not in ("numpy", "cupy") or not hasattr(a, "ndim"):
+            raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
+        if a.ndim < 2:
+            raise ValueError(f"{name} must be [num_blocks, ...], got shape {tuple(a.shape)}")
+    if src.dtype != dst.dtype:
+        raise TypeError(f"dst must have src's dtype {src.dtype}, got {dst.dtype}")
+    if src.shape[1:] != dst.shape[1:]:
+        raise ValueError(f"src and dst blocks differ: {tuple(src.shape[1:])} vs {tuple(dst.shape[1:])}")
+    pairs = host_copy(block_mapping)
+    _check_mapping(pairs, np, [("src/dst", src.shape[0], dst.shape[0])], None)
+    if pairs.shape[0] == 0:
+        return
+    s, d = pairs[:, 0], pairs[:, 1]
+    src_host, dst_host = isinstance(src, np.ndarray), isinstance(dst, np.ndarray)
+    if src_host and not dst_host:
+        import cupy
+
+        dst[cupy.asarray(d)] = cupy.asarray(np.ascontiguousarray(src[s]))
+    elif dst_host and not src_host:
+        import cupy
+
+        dst[d] = src[cupy.asarray(s)].get()
+    elif src_host:
+        dst[d] = src[s]
+    else:
+        import cupy
+
+        dst[cupy.asarray(d)] = src[cupy.asarray(s)]

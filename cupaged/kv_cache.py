@@ -1,0 +1,129 @@
+"""The paged KV cache itself: per-layer key and value block arrays in a DESIGN.md §4 layout.
+
+Sized in blocks so one :class:`cupaged.pool.BlockPool` of the same ``num_blocks`` and
+``block_size`` names slots in every layer; ``num_blocks_for`` turns a memory budget into that
+count. Keys and values of a layer are separate allocations: on the sim each gets its own guard
+pages, so a kernel running past one cache faults instead of silently reading the other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupaged import sim
+from cupaged._checks import FLOAT_DTYPES, check_choice
+from cupaged._plan import resolve_array_module
+
+__all__ = ["KVCache"]
+
+LAYOUTS = ("NHD", "HND", "vllm")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _cache_dtype(dtype, kv_cache_dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
+    return dtype if kv_cache_dtype == "auto" else np.dtype(np.uint8)
+
+
+class KVCache:
+    """``num_layers`` pairs of key/value caches of ``num_blocks`` blocks of ``block_size`` tokens.
+
+    ``layout``: "NHD" ``[num_blocks, block_size, num_kv_heads, head_size]`` (flash kernels),
+    "HND" ``[num_blocks, num_kv_heads, block_size, head_size]``, or "vllm" (paged-attention
+    v1/v2): K ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``, V ``[num_blocks,
+    num_kv_heads, head_size, block_size]`` with x = 16 // itemsize, so a thread's 16-byte load
+    holds x consecutive elements of one key. ``kv_cache_dtype`` "auto" stores ``dtype``; the fp8
+    kinds store uint8. ``xp``: None (cupy when a GPU is usable, else the sim), numpy or
+    ``cupaged.sim`` (guarded numpy), or cupy. New caches hold 0xFF bytes (NaN), so a kernel that
+    reads a slot nobody wrote produces NaN rather than a plausible number.
+    """
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, *,
+                 layout="NHD", kv_cache_dtype="auto", xp=None):
+        self.num_layers = _positive("num_layers", num_layers)
+        self.num_blocks = _positive("num_blocks", num_blocks)
+        self.block_size = _positive("block_size", block_size)
+        self.num_kv_heads = _positive("num_kv_heads", num_kv_heads)
+        self.head_size = _positive("head_size", head_size)
+        self.cache_dtype = _cache_dtype(dtype, kv_cache_dtype)
+        self.dtype, self.kv_cache_dtype = np.dtype(dtype), kv_cache_dtype
+        check_choice("layout", layout, LAYOUTS)
+        self.layout = layout
+        self.key_shape, self.value_shape = self._shapes()
+        self.xp = resolve_array_module(xp)
+        self.key_caches = [self._allocate(self.key_shape) for _ in range(self.num_layers)]
+        self.value_caches = [self._allocate(self.value_shape) for _ in range(self.num_layers)]
+
+    def _shapes(self):
+        n, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        if self.layout == "NHD":
+            return (n, bs, h, d), (n, bs, h, d)
+        if self.layout == "HND":
+            return (n, h, bs, d), (n, h, bs, d)
+        x = 16 // self.cache_dtype.itemsize
+        if d % x:
+            raise ValueError(f"head_size={d} must be a multiple of x={x} (16 bytes of "
+                             f"{self.cache_dtype}) for layout='vllm'")
+        return (n, h, d // x, bs, x), (n, h, d, bs)
+
+    def _allocate(self, shape):
+        a = self.xp.empty(shape, self.cache_dtype)
+        if self.xp is not sim:
+            a.view(self.xp.uint8).fill(0xFF)  # the sim's guarded memory starts this way
+        return a
+
+    def key(self, layer: int):
+        return self.key_caches[self._layer(layer)]
+
+    def value(self, layer: int):
+        return self.value_caches[self._layer(layer)]
+
+    def _layer(self, layer) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be in 0..{self.num_layers - 1}, got {layer}")
+        return int(layer)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.bytes_per_block(
+            self.block_size, self.num_kv_heads, self.head_size, self.dtype, kv_cache_dtype=self.kv_cache_dtype
+        ) * self.num_blocks
+
+    @staticmethod
+    def bytes_per_block(block_size, num_kv_heads, head_size, dtype, *, kv_cache_dtype="auto") -> int:
+        """Bytes of one block of one layer, keys and values (the same in every layout)."""
+        itemsize = _cache_dtype(dtype, kv_cache_dtype).itemsize
+        return 2 * _positive("block_size", block_size) * _positive("num_kv_heads", num_kv_heads) * \
+            _positive("head_size", head_size) * itemsize
+
+    @classmethod
+    def num_blocks_for(cls, nbytes, num_layers, block_size, num_kv_heads, head_size, dtype, *,
+                       kv_cache_dtype="auto") -> int:
+        """The most blocks whose caches fit in ``nbytes`` (e.g. free GPU memory less the
+        activations' headroom): size the BlockPool and the KVCache with it."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        per_block = _positive("num_layers", num_layers) * cls.bytes_per_block(
+            block_size, num_kv_heads, head_size, dtype, kv_cache_dtype=kv_cache_dtype)
+        return int(nbytes) // per_block
+
+    def __repr__(self):
+        return (f"KVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+                f"dtype={self.dtype}, layout={self.layout!r}, kv_cache_dtype={self.kv_cache_dtype!r}, "
+                f"backend={'sim' if self.xp is sim else 'cuda'}, {self.nbytes / 2**20:.1f} MiB)")
