@@ -19,6 +19,17 @@ from collections import OrderedDict
 import numpy as np
 
 
+class OutOfBlocks(RuntimeError):
+    """The pool cannot hold the requested tokens; nothing was changed. A RuntimeError, not a
+    MemoryError: the process is fine, the scheduler should preempt a sequence or wait.
+    ``needed`` and ``available`` count fresh blocks."""
+
+    def __init__(self, needed: int, available: int):
+        super().__init__(f"out of KV cache blocks: the request needs {needed} fresh blocks, "
+                         f"{available} are free or evictable")
+        self.needed, self.available = needed, available
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -42,6 +53,13 @@ class BlockAllocator:
     def is_reclaimable(self, block: int) -> bool:
         """Whether reviving ``block`` by a prefix hit takes it out of the allocatable supply."""
         return block in self._lru
+
+    def check_supply(self, needed: int, revived: int = 0) -> None:
+        """Raise OutOfBlocks unless ``needed`` fresh blocks can be taken once ``revived`` cached
+        blocks have been claimed by prefix hits."""
+        available = self.num_free - revived
+        if needed > available:
+            raise OutOfBlocks(needed, available)
 
     def take(self, k: int) -> np.ndarray:
         """``k`` fresh blocks (ref 1): never-cached ones first, then evicting the least recently

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cupaged._decode import DecodeBatch
+
 _ROWS = 8
 
 
@@ -33,7 +35,8 @@ class SequenceTable:
         self.tracked = np.zeros(_ROWS, bool)
         self.last_hash: list = [None] * _ROWS
         self.partial = np.zeros((_ROWS, block_size), np.int64)
-        self._decode_ids = self._decode_rows = None
+        self.epoch = 0  # bumped by every change outside a decode step: invalidates the DecodeBatch
+        self._decode: DecodeBatch | None = None
 
     # -- rows ---------------------------------------------------------------------------------
 
@@ -55,6 +58,7 @@ class SequenceTable:
             self.last_hash += [None] * cap
             self._free_rows = list(range(2 * cap - 1, cap - 1, -1))
         row = self._free_rows.pop()
+        self.epoch += 1
         self.rows[seq_id], self._ids[row] = row, seq_id
         self.tracked[row] = True
         return row
@@ -72,27 +76,33 @@ class SequenceTable:
             a[row] = 0
         self._ids[row] = self.last_hash[row] = None
         self._free_rows.append(row)
-        self._decode_ids = None  # the row may be reused by another id
+        self.epoch += 1
 
     def ensure_width(self, width: int) -> None:
         if width > self.tables.shape[1]:
             self.tables = _grown(self.tables, self.tables.shape[0], max(width, 2 * self.tables.shape[1]))
 
-    def decode_rows(self, seq_ids) -> np.ndarray:
-        """Rows of ``seq_ids`` (1-D, distinct, all known); the last answer is reused when the ids
-        repeat, which spares a dict lookup per sequence on every decode step."""
+    def copy_on_write(self, row: int, index: int, dst: int, alloc) -> None:
+        """Give ``row`` the private block ``dst`` in place of its shared block at ``index``."""
+        src = int(self.tables[row, index])
+        self.tables[row, index] = dst
+        alloc.release([src])
+        alloc.add_copy(src, dst)
+
+    def decode_batch(self, seq_ids) -> DecodeBatch:
+        """The batch-ordered mirror of ``seq_ids`` (1-D, distinct, all known), reused while the
+        same ids come back and nothing else changed the pool."""
         ids = np.asarray(seq_ids)
         if ids.ndim != 1:
             raise ValueError(f"seq_ids must be 1-D, got shape {ids.shape}")
-        prev = self._decode_ids
-        if prev is not None and prev.shape == ids.shape and prev.dtype == ids.dtype and np.array_equal(prev, ids):
-            return self._decode_rows
+        if self._decode is not None and self._decode.matches(self, ids):
+            return self._decode
         rows = np.fromiter((self.row(x) for x in ids.tolist()), np.int64, ids.size)
         if np.unique(rows).size != rows.size:
             _, first, counts = np.unique(rows, return_index=True, return_counts=True)
             raise ValueError(f"seq_ids holds {ids[first[np.argmax(counts > 1)]]!r} more than once")
-        self._decode_ids, self._decode_rows = ids.copy(), rows
-        return rows
+        self._decode = DecodeBatch(self, ids.copy(), rows)
+        return self._decode
 
     # -- prefix caching -----------------------------------------------------------------------
 

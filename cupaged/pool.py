@@ -16,26 +16,14 @@ Per-sequence state is kept in numpy arrays indexed by a row number, so a decode 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import numpy as np
 
-from cupaged._allocator import BlockAllocator
+from cupaged._allocator import BlockAllocator, OutOfBlocks
 from cupaged._plan import BatchPlan, PinnedStaging
 from cupaged._pool_state import SequenceTable
 
 __all__ = ["BlockPool", "OutOfBlocks", "PoolUsage"]
-
-
-class OutOfBlocks(RuntimeError):
-    """The pool cannot hold the requested tokens; nothing was changed. A RuntimeError (not a
-    MemoryError): the process is fine, the scheduler should preempt or wait. ``needed`` and
-    ``available`` count fresh blocks."""
-
-    def __init__(self, needed: int, available: int):
-        super().__init__(f"out of KV cache blocks: the request needs {needed} fresh blocks, "
-                         f"{available} are free or evictable")
-        self.needed, self.available = needed, available
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +44,14 @@ class _Request:
     num_tokens: int
     token_ids: np.ndarray | None
     row: int | None = None
-    hits: list = dataclasses.field(default_factory=list)
-    parent_hash: object = None  # chain hash after the prefix hits
+    hits: list = dataclasses.field(default_factory=list)  # prefix-cache blocks it starts with
+    hit_tokens: int = 0
+    parent_hash: object = None  # chain hash after the hits
     cow: bool = False
 
 
 def _count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
@@ -76,6 +65,17 @@ def _token_ids(name: str, token_ids) -> np.ndarray:
     if a.size and a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers, got dtype {a.dtype}")
     return a.astype(np.int64)
+
+
+def _request(name: str, seq_id, num_tokens, token_ids) -> _Request:
+    if token_ids is None:
+        if num_tokens is None:
+            raise TypeError(f"{name}: give num_tokens or token_ids")
+        return _Request(seq_id, _count(f"{name} num_tokens", num_tokens), None)
+    ids = _token_ids(f"{name} token_ids", token_ids)
+    if num_tokens is not None and _count(f"{name} num_tokens", num_tokens) != ids.size:
+        raise ValueError(f"{name}: num_tokens={num_tokens} disagrees with len(token_ids)={ids.size}")
+    return _Request(seq_id, ids.size, ids)
 
 
 class BlockPool:
@@ -125,8 +125,9 @@ class BlockPool:
         return int(self._seqs.cached[self._seqs.row(seq_id)])
 
     def take_pending_copies(self) -> np.ndarray:
-        """int64 [n, 2] (src, dst) block copies owed to copy-on-write since the last call; run
-        them (``cache_ops.copy_blocks``) before this step writes the cache."""
+        """int64 [n, 2] (src, dst) block copies owed to copy-on-write since the last call. Run
+        them (``cache_ops.copy_blocks``) before this step writes the cache: a copy carries the
+        tokens the sequences shared, and the step's new tokens go on top."""
         return self._alloc.take_pending_copies()
 
     # -- growing sequences ------------------------------------------------------------------
@@ -135,78 +136,43 @@ class BlockPool:
         """Grow ``seq_id`` (created on first use) by ``num_tokens`` or ``len(token_ids)`` tokens;
         return the int64 slot mapping of the new positions, -1 where the prefix cache already
         holds the token. Raises OutOfBlocks (changing nothing) when the pool cannot hold them."""
-        if token_ids is None:
-            if num_tokens is None:
-                raise TypeError("append needs num_tokens or token_ids")
-            request = _Request(seq_id, _count("num_tokens", num_tokens), None)
-        else:
-            ids = _token_ids("token_ids", token_ids)
-            if num_tokens is not None and _count("num_tokens", num_tokens) != ids.size:
-                raise ValueError(f"num_tokens={num_tokens} disagrees with len(token_ids)={ids.size}")
-            request = _Request(seq_id, ids.size, ids)
-        return self._apply([request])[0]
+        requests = [_request("append", seq_id, num_tokens, token_ids)]
+        self._apply(requests)
+        return self._token_arrays(requests)[1]
 
     def plan(self, batch) -> BatchPlan:
         """Append to every sequence of ``batch`` -- ``(seq_id, num_new_tokens)`` pairs, or
         ``(seq_id, token_ids)`` to feed the prefix cache -- all or nothing, and return the
-        step's index arrays."""
+        step's index arrays (sequences in batch order; positions served by the prefix cache
+        stay in the batch with slot -1)."""
         requests = []
         for i, entry in enumerate(batch):
             if not isinstance(entry, (tuple, list)) or len(entry) != 2:
                 raise TypeError(f"batch[{i}] must be a (seq_id, num_new_tokens) pair, got {entry!r}")
             seq_id, what = entry
-            if np.ndim(what) == 0:
-                requests.append(_Request(seq_id, _count(f"batch[{i}] num_new_tokens", what), None))
+            if isinstance(what, (int, np.integer)) or np.ndim(what) == 0:
+                requests.append(_request(f"batch[{i}]", seq_id, what, None))
             else:
-                ids = _token_ids(f"batch[{i}] token_ids", what)
-                requests.append(_Request(seq_id, ids.size, ids))
-        slots = self._apply(requests)
-        rows = np.array([r.row for r in requests], np.int64)
-        q_lens = np.array([r.num_tokens for r in requests], np.int64)
-        lens = self._seqs.lens[rows]
-        token_starts = np.cumsum(q_lens) - q_lens  # where each sequence's tokens begin in the batch
-        positions = np.repeat(lens - q_lens - token_starts, q_lens) + np.arange(q_lens.sum())
-        return self._build_plan(rows, lens, q_lens,
-                                np.concatenate(slots) if slots else np.zeros(0, np.int64), positions)
+                requests.append(_request(f"batch[{i}]", seq_id, None, what))
+        self._apply(requests)
+        rows, slot_mapping, positions, q_lens = self._token_arrays(requests)
+        s = self._seqs
+        width = s.max_blocks if s.max_blocks is not None else int(s.nblocks[rows].max(initial=0))
+        return self._plan(q_lens, s.lens[rows], np.take(s.tables[:, :width], rows, axis=0),
+                          slot_mapping, positions)
 
     def plan_decode(self, seq_ids, token_ids=None) -> BatchPlan:
-        """``plan`` for a decode step, vectorized: one new token for each of ``seq_ids`` (1-D;
-        reusing the previous step's ids is cheapest). ``token_ids`` [S] keeps prefix caching fed."""
+        """``plan`` for a decode step, vectorized: one new token for each of ``seq_ids`` (1-D,
+        e.g. an int array; repeating the previous step's ids is cheapest). ``token_ids`` [S]:
+        the new tokens, which keeps the sequences' future blocks eligible for prefix caching."""
         s = self._seqs
-        rows = s.decode_rows(seq_ids)
+        batch = s.decode_batch(seq_ids)
         ids = None if token_ids is None else _token_ids("token_ids", token_ids)
-        if ids is not None and ids.size != rows.size:
-            raise ValueError(f"token_ids must have one id per sequence ({rows.size}), got {ids.size}")
-        lens, nblocks = s.lens[rows], s.nblocks[rows]
-        offset = lens % s.block_size
-        new_block = offset == 0
-        last = s.tables[rows, np.maximum(nblocks - 1, 0)].astype(np.int64)
-        cow = ~new_block & (self._alloc.ref[last] > 1)
-        if cow.any():  # sequential semantics: the last appender into a shared block writes in place
-            remaining = {}
-            for i in np.flatnonzero(cow).tolist():
-                b = int(last[i])
-                remaining[b] = remaining.get(b, int(self._alloc.ref[b])) - 1
-                cow[i] = remaining[b] >= 1
-        grow = np.flatnonzero(new_block)
-        if s.max_blocks is not None and grow.size and int(nblocks[grow].max()) >= s.max_blocks:
-            i = int(grow[np.argmax(nblocks[grow])])
-            raise ValueError(f"sequence {s.seq_id_of(int(rows[i]))!r} would need more than "
-                             f"max_blocks_per_seq={s.max_blocks} blocks")
-        copy = np.flatnonzero(cow)
-        self._check_supply(grow.size + copy.size, 0)
-        fresh = self._alloc.take(grow.size + copy.size)
-        if grow.size:
-            s.ensure_width(int(nblocks[grow].max()) + 1)
-            s.tables[rows[grow], nblocks[grow]] = fresh[:grow.size]
-            s.nblocks[rows[grow]] += 1
-        for i, dst in zip(copy.tolist(), fresh[grow.size:].tolist()):
-            self._copy_on_write(int(rows[i]), int(nblocks[i]) - 1, dst)
-        s.lens[rows] = lens + 1
-        slot_mapping = s.tables[rows, nblocks + new_block - 1].astype(np.int64) * s.block_size + offset
-        if s.prefix_caching:
-            s.record_decode_tokens(rows, offset, ids, self._alloc)
-        return self._build_plan(rows, lens + 1, np.ones(rows.size, np.int64), slot_mapping, lens)
+        if ids is not None and ids.size != batch.rows.size:
+            raise ValueError(f"token_ids must hold one id per sequence ({batch.rows.size}), got {ids.size}")
+        positions, slot_mapping = batch.step(s, self._alloc, ids)
+        return self._plan(np.ones(batch.rows.size, np.int64), batch.lens, batch.tables.copy(),
+                          slot_mapping, positions)
 
     # -- sharing and freeing ----------------------------------------------------------------
 
@@ -232,33 +198,25 @@ class BlockPool:
     def usage(self) -> PoolUsage:
         fill = self._seqs.block_fill(self.num_blocks)
         in_use = int((self._alloc.ref > 0).sum())
-        stored = int(fill[fill > 0].sum())
+        stored = int(fill.sum())
         waste = 1.0 - stored / (in_use * self.block_size) if in_use else 0.0
         return PoolUsage(len(self), in_use, self._alloc.num_cached_free, stored, waste)
 
     def check(self) -> None:
-        """Verify every invariant; raise AssertionError describing each broken one."""
+        """Verify every invariant (reference counts equal owners; free, cached, pinned and owned
+        blocks partition the pool; tables, lengths and the prefix cache agree); raise
+        AssertionError describing each broken one."""
         errors = self._seqs.check(self._alloc)
         if errors:
             raise AssertionError("BlockPool invariants broken: " + "; ".join(errors))
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _check_supply(self, needed: int, revived: int) -> None:
-        available = self._alloc.num_free - revived
-        if needed > available:
-            raise OutOfBlocks(needed, available)
-
-    def _copy_on_write(self, row: int, index: int, dst: int) -> None:
-        s = self._seqs
-        src = int(s.tables[row, index])
-        s.tables[row, index] = dst
-        self._alloc.release([src])
-        self._alloc.add_copy(src, dst)
-
-    def _apply(self, requests: list[_Request]) -> list[np.ndarray]:
+    def _apply(self, requests: list[_Request]) -> None:
         """Validate and size every request first, then commit them all: a request that does not
-        fit changes nothing, for the whole batch."""
+        fit changes nothing, for the whole batch. Prefix hits are looked up against the cache as
+        it was before the batch, and claimed before any fresh block is taken (which could evict
+        them)."""
         s, bs, ref = self._seqs, self._seqs.block_size, self._alloc.ref
         seen, cow_claims, revived, needed = set(), {}, set(), 0
         for r in requests:
@@ -272,58 +230,68 @@ class BlockPool:
             if s.max_blocks is not None and blocks > s.max_blocks:
                 raise ValueError(f"sequence {r.seq_id!r} would need {blocks} blocks, more than "
                                  f"max_blocks_per_seq={s.max_blocks}")
-            if length == 0 and r.token_ids is not None and s.prefix_caching:
-                if r.row is None or s.tracked[r.row]:
-                    r.hits, r.parent_hash = s.prefix_hits(r.token_ids, self._alloc)
-                    revived.update(b for b in r.hits if self._alloc.is_reclaimable(b))
+            if length == 0 and r.token_ids is not None and s.prefix_caching and (r.row is None or s.tracked[r.row]):
+                r.hits, r.parent_hash = s.prefix_hits(r.token_ids, self._alloc)
+                r.hit_tokens = len(r.hits) * bs
+                revived.update(b for b in r.hits if self._alloc.is_reclaimable(b))
             if r.num_tokens and length % bs:
                 last = int(s.tables[r.row, have - 1])
                 claims = cow_claims.get(last, 0)
                 r.cow = ref[last] - claims > 1
                 cow_claims[last] = claims + r.cow
             needed += blocks - have - len(r.hits) + r.cow
-        self._check_supply(needed, len(revived))
+        self._alloc.check_supply(needed, len(revived))
+        s.epoch += 1
         for r in requests:
-            self._alloc.retain(r.hits)
-        return [self._commit(r) for r in requests]
+            if r.hits:
+                self._alloc.retain(r.hits)
+        for r in requests:
+            self._commit(r)
 
-    def _commit(self, r: _Request) -> np.ndarray:
+    def _commit(self, r: _Request) -> None:
         s, bs = self._seqs, self._seqs.block_size
         if r.row is None:
             r.row = s.new_row(r.seq_id)
-        row, hit_tokens = r.row, len(r.hits) * bs
+        row = r.row
         if r.hits:
             s.ensure_width(len(r.hits))
             s.tables[row, :len(r.hits)] = r.hits
             s.nblocks[row] = len(r.hits)
-            s.lens[row] = s.cached[row] = hit_tokens
+            s.lens[row] = s.cached[row] = r.hit_tokens
             s.last_hash[row] = r.parent_hash
         start, have = int(s.lens[row]), int(s.nblocks[row])
-        stop = start + r.num_tokens - hit_tokens
+        stop = start + r.num_tokens - r.hit_tokens
         if r.cow:
-            self._copy_on_write(row, have - 1, int(self._alloc.take(1)[0]))
+            s.copy_on_write(row, have - 1, int(self._alloc.take(1)[0]), self._alloc)
         blocks = -(-stop // bs)
-        s.ensure_width(blocks)
-        s.tables[row, have:blocks] = self._alloc.take(blocks - have)
-        s.nblocks[row], s.lens[row] = blocks, stop
-        positions = np.arange(start, stop)
-        slots = s.tables[row, positions // bs].astype(np.int64) * bs + positions % bs
+        if blocks > have:
+            s.ensure_width(blocks)
+            s.tables[row, have:blocks] = self._alloc.take(blocks - have)
+            s.nblocks[row] = blocks
+        s.lens[row] = stop
         if s.prefix_caching:
-            s.record_tokens(row, start, None if r.token_ids is None else r.token_ids[hit_tokens:], self._alloc)
-        return np.concatenate([np.full(hit_tokens, -1, np.int64), slots]) if hit_tokens else slots
+            s.record_tokens(row, start, None if r.token_ids is None else r.token_ids[r.hit_tokens:], self._alloc)
 
-    def _build_plan(self, rows, seq_lens, q_lens, slot_mapping, positions) -> BatchPlan:
-        s = self._seqs
-        width = s.max_blocks if s.max_blocks is not None else int(s.nblocks[rows].max(initial=0))
-        query_start_loc = np.zeros(rows.size + 1, np.int32)
+    def _token_arrays(self, requests):
+        """rows [S], slot_mapping [T], positions [T], q_lens [S] of committed requests, for all
+        tokens at once (the prefix hits' positions get slot -1)."""
+        s, bs = self._seqs, self._seqs.block_size
+        rows = np.fromiter((r.row for r in requests), np.int64, len(requests))
+        q_lens = np.fromiter((r.num_tokens for r in requests), np.int64, len(requests))
+        token_starts = np.cumsum(q_lens) - q_lens  # where each sequence's tokens begin in the batch
+        first = s.lens[rows] - q_lens  # position of each sequence's first new token
+        positions = np.repeat(first - token_starts, q_lens) + np.arange(q_lens.sum())
+        token_rows = np.repeat(rows, q_lens)
+        slot_mapping = s.tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        if any(r.hits for r in requests):
+            hit_tokens = np.fromiter((r.hit_tokens for r in requests), np.int64, len(requests))
+            slot_mapping[positions < np.repeat(first + hit_tokens, q_lens)] = -1
+        return rows, slot_mapping, positions, q_lens
+
+    def _plan(self, q_lens, seq_lens, block_tables, slot_mapping, positions) -> BatchPlan:
+        query_start_loc = np.zeros(q_lens.size + 1, np.int32)
         np.cumsum(q_lens, out=query_start_loc[1:])
-        return BatchPlan(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens.astype(np.int32),
-            block_tables=np.take(s.tables[:, :width], rows, axis=0),
-            slot_mapping=slot_mapping,
-            positions=positions.astype(np.int64, copy=False),
-            max_seq_len=int(seq_lens.max(initial=0)),
-            max_query_len=int(q_lens.max(initial=0)),
-            _staging=self._staging,
-        )
+        return BatchPlan(query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
+                         block_tables=block_tables, slot_mapping=slot_mapping, positions=positions,
+                         max_seq_len=int(seq_lens.max(initial=0)), max_query_len=int(q_lens.max(initial=0)),
+                         _staging=self._staging)

@@ -31,7 +31,7 @@ TARGET_US = 100.0
 
 def decode_pool(rng, prefix_caching=False):
     lens = rng.integers(CONTEXT - 148, CONTEXT + 52, NUM_SEQS)
-    pool = BlockPool(int((lens.sum() + NUM_SEQS * (STEPS + 16)) // BLOCK_SIZE) + NUM_SEQS, BLOCK_SIZE,
+    pool = BlockPool(int((lens.sum() + NUM_SEQS * (STEPS + 400)) // BLOCK_SIZE) + NUM_SEQS, BLOCK_SIZE,
                      enable_prefix_caching=prefix_caching)
     for i, n in enumerate(lens.tolist()):
         pool.append(i, n)

@@ -17,7 +17,6 @@ Programming Guide, "Warp Shuffle Functions", "Warp Vote Functions", "Warp Match 
 
 from __future__ import annotations
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy; the sim imports it too)
 import numpy as np
 import pytest
 
@@ -70,6 +69,22 @@ extern "C" __global__ void shfl_halves(const int* in, int* out) {
   } else {
     out[t] = __shfl_down_sync(0xffff0000u, v, 2) + 1000 * __shfl_up_sync(0xffff0000u, v, 5, 16);
   }
+}
+
+// The CUDA Programming Guide's shuffle examples: broadcast, inclusive scan by 8, butterfly reduction.
+extern "C" __global__ void guide_examples(const int* in, int* out) {
+  const int laneId = threadIdx.x & 0x1f, b = blockIdx.x;
+  int* o = out + 3 * 32 * b;
+  int value = in[b * 32 + laneId];
+  o[laneId] = __shfl_sync(0xffffffff, value, 0);
+  int scan = value;
+  for (int i = 1; i <= 4; i *= 2) {
+    int n = __shfl_up_sync(0xffffffff, scan, i, 8);
+    if ((laneId & 7) >= i) scan += n;
+  }
+  o[32 + laneId] = scan;
+  for (int i = 16; i >= 1; i /= 2) value += __shfl_xor_sync(0xffffffff, value, i, 32);
+  o[64 + laneId] = value;
 }
 
 // Block size not a multiple of 32: sources stay inside the lanes that exist.
@@ -208,15 +223,38 @@ def shfl_cases(rng):
     return cases
 
 
-def test_shfl_model_matches_guide_examples():
-    """The model itself against the examples worked out in the Programming Guide's text."""
-    v = np.arange(32)
-    # broadcast of lane 0 within each subsection of 8 lanes
-    assert list(shfl_model(IDX, 8, v, [0] * 32)) == [b * 8 for b in range(4) for _ in range(8)]
-    # scan step: shfl_up by 1 leaves lane 0 of each subsection unchanged
-    assert list(shfl_model(UP, 16, v, [1] * 32)[:3]) == [0, 0, 1] and shfl_model(UP, 16, v, [1] * 32)[16] == 16
-    # butterfly reduction step with width 32 swaps halves
-    assert list(shfl_model(XOR, 32, v, [16] * 32)) == list(range(16, 32)) + list(range(16))
+def guide_examples_model(vals):
+    """The Programming Guide's three shuffle examples, run on the model: broadcast of lane 0, the
+    inclusive scan in subsections of 8 lanes (__shfl_up_sync, width 8), the butterfly sum
+    (__shfl_xor_sync, width 32)."""
+    bcast = shfl_model(IDX, 32, vals, [0] * 32)
+    scan = vals.copy()
+    for i in (1, 2, 4):
+        n = shfl_model(UP, 8, scan, [i] * 32)
+        scan = np.where(np.arange(32) % 8 >= i, scan + n, scan)
+    red = vals.copy()
+    for i in (16, 8, 4, 2, 1):
+        red = red + shfl_model(XOR, 32, red, [i] * 32)
+    return bcast, scan, red
+
+
+def test_shfl_model_reproduces_the_guide_examples():
+    """The model gives what the Guide says its examples compute."""
+    v = np.arange(32) * 3 + 1
+    bcast, scan, red = guide_examples_model(v)
+    assert (bcast == v[0]).all()
+    np.testing.assert_array_equal(scan, np.cumsum(v.reshape(4, 8), axis=1).ravel())
+    assert (red == v.sum()).all()
+
+
+def test_guide_examples_on_the_sim(mod):
+    v = np.random.default_rng(9).integers(-100, 100, 64).astype(np.int32)
+    out = sim.zeros(3 * 64, np.int32)
+    mod.get_function("guide_examples")((2,), (32,), (v, out))
+    for b in range(2):
+        want = guide_examples_model(v[b * 32:(b + 1) * 32])
+        for k in range(3):
+            np.testing.assert_array_equal(out[(3 * b + k) * 32:(3 * b + k + 1) * 32], want[k])
 
 
 def _values(dtype, rng, n):

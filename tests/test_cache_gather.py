@@ -1,0 +1,207 @@
+"""Cache reads and block moves (gather_and_maybe_dequant_cache, cp_gather_cache, copy_blocks,
+swap_blocks) against cupaged.reference, on the sim (and cuda when a GPU is present)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import reference
+from tests.test_cache_ops import assert_bytes_equal, dtype_id, fp8_scale, poisoned
+
+DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+RANK, ROPE = 512, 64
+
+
+def mla_pool(rng, num_blocks, block_size, dtype, kv_cache_dtype):
+    """A latent cache [num_blocks, block_size, 576] of random rows (fp8 codes for fp8) and its scale."""
+    rows = rng.standard_normal((num_blocks, block_size, RANK + ROPE)).astype(np.float32)
+    if kv_cache_dtype == "auto":
+        return rows.astype(dtype), 1.0
+    scale = fp8_scale(rows, kind="array")
+    return reference.quantize_fp8(rows, scale, kv_cache_dtype), scale
+
+
+def sequences(rng, seq_lens, num_blocks, block_size, starts=None):
+    """A shuffled block table with room for each sequence's (start +) length; rows past a
+    sequence's last block hold garbage ids (never read)."""
+    starts = np.zeros(len(seq_lens), np.int64) if starts is None else np.asarray(starts)
+    need = [-(-(s + n) // block_size) for s, n in zip(starts, seq_lens)]
+    width = max(need + [1]) + 2
+    ids = rng.permutation(num_blocks)
+    table = rng.integers(10**6, 2 * 10**6, (len(seq_lens), width)).astype(np.int32)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = ids[used:used + n] if used + n <= num_blocks else rng.choice(num_blocks, n)
+        used += n
+    cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
+    return table, cu
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("with_starts", [False, True], ids=["no_seq_starts", "seq_starts"])
+def test_gather_and_maybe_dequant_cache(backend, kv_cache_dtype, dtype, with_starts):
+    rng = np.random.default_rng(3)
+    block_size, num_blocks = 16, 64
+    seq_lens = [5, 0, 33, 16, 1, 47]  # an empty sequence, block_size, block_size + 1
+    starts = rng.integers(0, 40, len(seq_lens)).astype(np.int32) if with_starts else None
+    table, cu = sequences(rng, seq_lens, num_blocks, block_size, starts)
+    cache, scale = mla_pool(rng, num_blocks, block_size, dtype, kv_cache_dtype)
+    num_tokens = int(cu[-1])
+    token_to_seq = np.repeat(np.arange(len(seq_lens)), seq_lens).astype(np.int32)
+    token_to_seq = np.concatenate([token_to_seq, np.zeros(3, np.int32)])  # 3 padding rows past the last token
+    dst0 = np.full((num_tokens + 3, RANK + ROPE), np.nan, dtype)
+    dst = backend.asarray(dst0)
+    args = [backend.asarray(a) for a in (cache,)] + [dst] + [backend.asarray(a) for a in (table, cu, token_to_seq)]
+    cupaged.gather_and_maybe_dequant_cache(*args, num_tokens + 3, kv_cache_dtype, scale,
+                                           None if starts is None else backend.asarray(starts), validate=True)
+    ref = reference.gather_and_maybe_dequant_cache(cache, dst0, table, cu, token_to_seq, num_tokens + 3,
+                                                   kv_cache_dtype, scale, starts)
+    assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
+    assert np.isnan(backend.to_numpy(dst)[num_tokens:].astype(np.float32)).all(), "padding rows were written"
+
+
+def test_gather_rejects_chunk_past_block_table_row(backend):
+    rng = np.random.default_rng(4)
+    table, cu = sequences(rng, [20, 10], 32, 16)
+    cache, _ = mla_pool(rng, 32, 16, np.float16, "auto")
+    dst0 = np.zeros((30, RANK + ROPE), np.float16)
+    dst = backend.asarray(dst0)
+    starts = np.array([table.shape[1] * 16, 0], np.int32)  # sequence 0 would read past its row
+    with pytest.raises(ValueError, match="past its block_table row"):
+        cupaged.gather_and_maybe_dequant_cache(backend.asarray(cache), dst, backend.asarray(table), backend.asarray(cu),
+                                               backend.asarray(np.repeat([0, 1], [20, 10]).astype(np.int32)), 30,
+                                               seq_starts=backend.asarray(starts), validate=True)
+    assert_bytes_equal(backend.to_numpy(dst), dst0, "dst after a rejected call")
+
+
+@pytest.mark.parametrize("change, exc, name", [
+    (lambda a: {"dst": a["dst"].astype(np.float64)}, TypeError, "dst"),
+    (lambda a: {"src_cache": a["src_cache"].astype(np.float32)}, TypeError, "src_cache"),
+    (lambda a: {"dst": a["dst"][:, :100]}, ValueError, "dst"),
+    (lambda a: {"block_table": a["block_table"].astype(np.int64)}, TypeError, "block_table"),
+    (lambda a: {"cu_seq_lens": a["cu_seq_lens"].reshape(1, -1)}, ValueError, "cu_seq_lens"),
+    (lambda a: {"token_to_seq": a["token_to_seq"].astype(np.float32)}, TypeError, "token_to_seq"),
+    (lambda a: {"num_tokens": 10**6}, ValueError, "num_tokens"),
+    (lambda a: {"kv_cache_dtype": "fp8"}, TypeError, "src_cache"),
+    (lambda a: {"seq_starts": a["cu_seq_lens"][:1]}, ValueError, "seq_starts"),
+], ids=["dst dtype", "src dtype", "dst width", "table dtype", "cu ndim", "token_to_seq dtype", "num_tokens",
+        "fp8 float cache", "seq_starts short"])
+def test_gather_bad_input(backend, change, exc, name):
+    rng = np.random.default_rng(5)
+    table, cu = sequences(rng, [3, 4], 8, 16)
+    cache, _ = mla_pool(rng, 8, 16, np.float16, "auto")
+    dst0 = np.zeros((7, RANK + ROPE), np.float16)
+    a = dict(src_cache=backend.asarray(cache), dst=backend.asarray(dst0), block_table=backend.asarray(table),
+             cu_seq_lens=backend.asarray(cu), token_to_seq=backend.asarray(np.repeat([0, 1], [3, 4]).astype(np.int32)),
+             num_tokens=7)
+    with pytest.raises(exc, match=name):
+        cupaged.gather_and_maybe_dequant_cache(**{**a, **change(a)})
+    assert_bytes_equal(backend.to_numpy(a["dst"]), dst0, "dst")
+
+
+@pytest.mark.parametrize("entry", [(RANK + ROPE,), (4, 64), (3,)], ids=["mla576", "heads4x64", "odd3"])
+@pytest.mark.parametrize("with_starts", [False, True], ids=["no_seq_starts", "seq_starts"])
+def test_cp_gather_cache(backend, entry, with_starts):
+    rng = np.random.default_rng(6)
+    block_size, num_blocks = 16, 48
+    seq_lens = [17, 0, 64, 3, 40]
+    starts = rng.integers(0, 20, len(seq_lens)).astype(np.int32) if with_starts else None
+    table, cu = sequences(rng, seq_lens, num_blocks, block_size, starts)
+    cache = rng.standard_normal((num_blocks, block_size, *entry)).astype(np.float16)
+    dst0 = np.full((int(cu[-1]) + 2, *entry), np.nan, np.float16)
+    dst = backend.asarray(dst0)
+    cupaged.cp_gather_cache(backend.asarray(cache), dst, backend.asarray(table), backend.asarray(cu), len(seq_lens),
+                            None if starts is None else backend.asarray(starts), validate=True)
+    ref = reference.cp_gather_cache(cache, dst0, table, cu, len(seq_lens), starts)
+    assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
+
+
+def test_cp_gather_cache_bad_input(backend):
+    cache = backend.asarray(np.zeros((4, 16, 8), np.float16))
+    dst = backend.asarray(np.zeros((10, 8), np.float32))
+    table, cu = backend.asarray(np.zeros((1, 2), np.int32)), backend.asarray(np.array([0, 10], np.int32))
+    with pytest.raises(TypeError, match="dst"):
+        cupaged.cp_gather_cache(cache, dst, table, cu, 1)
+    with pytest.raises(ValueError, match="block_table"):
+        cupaged.cp_gather_cache(cache, backend.asarray(np.zeros((10, 8), np.float16)), table, cu, 2)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vllm", "mla", "fp8_vllm", "odd_block"])
+def test_copy_blocks(backend, layout):
+    rng = np.random.default_rng(7)
+    nb = 40
+    shapes = {"NHD": [(nb, 16, 4, 64)] * 2, "HND": [(nb, 4, 16, 64)] * 2,
+              "vllm": [(nb, 4, 8, 16, 8), (nb, 4, 64, 16)], "mla": [(nb, 16, 576)],
+              "fp8_vllm": [(nb, 4, 4, 16, 16), (nb, 4, 64, 16)], "odd_block": [(nb, 3, 1, 5)] * 2}[layout]
+    dtype = np.uint8 if layout == "fp8_vllm" else np.float16
+    caches = [[rng.standard_normal(s).astype(dtype) if dtype != np.uint8 else rng.integers(0, 255, s).astype(np.uint8)
+               for s in shapes] for _ in range(3)]
+    keys = [c[0] for c in caches]
+    values = None if layout == "mla" else [c[1] for c in caches]
+    perm = rng.permutation(nb)
+    mapping = np.stack([perm[:12], perm[12:24]], axis=1).astype(np.int64)  # distinct sources and destinations
+    dev_keys = [backend.asarray(k) for k in keys]
+    dev_values = None if values is None else [backend.asarray(v) for v in values]
+    cupaged.copy_blocks(dev_keys, dev_values, mapping)
+    ref_keys, ref_values = reference.copy_blocks(keys, values, mapping)
+    for i, (got, ref) in enumerate(zip(dev_keys, ref_keys)):
+        assert_bytes_equal(backend.to_numpy(got), ref, f"key_caches[{i}]")
+    for i, (got, ref) in enumerate(zip(dev_values or [], ref_values or [])):
+        assert_bytes_equal(backend.to_numpy(got), ref, f"value_caches[{i}]")
+
+
+def test_copy_blocks_device_mapping_and_bad_input(backend):
+    rng = np.random.default_rng(8)
+    key0 = rng.standard_normal((10, 16, 2, 64)).astype(np.float32)
+    key = backend.asarray(key0)
+    mapping = backend.asarray(np.array([[1, 2], [3, 4]], np.int64))
+    cupaged.copy_blocks([key], None, mapping)
+    ref, _ = reference.copy_blocks([key0], None, np.array([[1, 2], [3, 4]]))
+    assert_bytes_equal(backend.to_numpy(key), ref[0], "key cache")
+    before = backend.to_numpy(key).copy()
+    for bad, exc, name in ((np.array([[1, 10]], np.int64), ValueError, r"block_mapping\[0\] has destination block 10"),
+                           (np.array([[1, 2]], np.int32), TypeError, "block_mapping"),
+                           (np.array([1, 2], np.int64), ValueError, "block_mapping")):
+        with pytest.raises(exc, match=name):
+            cupaged.copy_blocks([key], None, bad)
+    with pytest.raises(ValueError, match="value_caches"):
+        cupaged.copy_blocks([key], [key, key], np.array([[1, 2]], np.int64))
+    with pytest.raises(ValueError, match="outside key_caches"):
+        cupaged.copy_blocks([key], None, backend.asarray(np.array([[-1, 2]], np.int64)), validate=True)
+    assert_bytes_equal(backend.to_numpy(key), before, "key cache after rejected calls")
+
+
+def test_swap_blocks_host_host():
+    rng = np.random.default_rng(9)
+    src = rng.standard_normal((6, 16, 2, 64)).astype(np.float16)
+    dst0 = poisoned((9, 16, 2, 64), np.float16)
+    dst = dst0.copy()
+    mapping = np.array([[0, 8], [5, 1], [2, 2]], np.int64)
+    cupaged.swap_blocks(src, dst, mapping)
+    assert_bytes_equal(dst, reference.swap_blocks(src, dst0, mapping), "dst")
+    with pytest.raises(ValueError, match="destination block 9"):
+        cupaged.swap_blocks(src, dst, np.array([[0, 9]], np.int64))
+    with pytest.raises(ValueError, match="source block 6"):
+        cupaged.swap_blocks(src, dst, np.array([[6, 0]], np.int64))
+    with pytest.raises(TypeError, match="dtype"):
+        cupaged.swap_blocks(src.astype(np.float32), dst, mapping)
+    with pytest.raises(ValueError, match="blocks differ"):
+        cupaged.swap_blocks(src[:, :8], dst, mapping)
+
+
+@pytest.mark.skipif("not __import__('tests.conftest').conftest.gpu_available()", reason="no GPU")
+def test_swap_blocks_host_device_round_trip():
+    import cupy
+
+    rng = np.random.default_rng(10)
+    host = rng.standard_normal((6, 16, 2, 64)).astype(np.float16)
+    device = cupy.full((8, 16, 2, 64), cupy.nan, cupy.float16)
+    cupaged.swap_blocks(host, device, np.array([[0, 7], [3, 2]], np.int64))
+    back = np.full_like(host, np.nan)
+    cupaged.swap_blocks(device, back, np.array([[7, 1], [2, 4]], np.int64))
+    assert_bytes_equal(back[1], host[0], "block 0 round trip")
+    assert_bytes_equal(back[4], host[3], "block 3 round trip")
