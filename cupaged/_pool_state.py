@@ -110,8 +110,9 @@ class SequenceTable:
         """Cached blocks for the longest cached prefix of a new sequence, leaving at least its
         last token to compute (its logits are needed); and the chain hash after them."""
         bs, parent, hits = self.block_size, None, []
-        for i in range((token_ids.size - 1) // bs):
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs].tolist()))
+        full = (token_ids.size - 1) // bs
+        for chunk in token_ids[:full * bs].reshape(full, bs).tolist():
+            key = (parent, tuple(chunk))
             block = alloc.lookup(key)
             if block is None:
                 break
@@ -127,25 +128,32 @@ class SequenceTable:
             return
         bs = self.block_size
         pending = np.concatenate([self.partial[row, :start % bs], token_ids])
-        first_block, parent = start // bs, self.last_hash[row]
-        for j in range(pending.size // bs):
-            key = (parent, tuple(pending[j * bs:(j + 1) * bs].tolist()))
-            alloc.register(int(self.tables[row, first_block + j]), key)
+        full, parent = pending.size // bs, self.last_hash[row]
+        blocks = self.tables[row, start // bs:start // bs + full].tolist()
+        for block, chunk in zip(blocks, pending[:full * bs].reshape(full, bs).tolist()):
+            key = (parent, tuple(chunk))
+            alloc.register(block, key)
             parent = hash(key)
         self.last_hash[row] = parent
-        rest = pending[pending.size // bs * bs:]
+        rest = pending[full * bs:]
         self.partial[row, :rest.size] = rest
 
-    def record_decode_tokens(self, rows, offsets, token_ids, alloc) -> None:
-        """``record_tokens`` for one new token per row; only rows completing a block hash."""
+    def record_decode_tokens(self, rows, offsets, token_ids, completing, blocks, alloc) -> None:
+        """``record_tokens`` for one new token per row (``rows[i]`` at ``offsets[i]`` of its last
+        block); ``rows[completing]`` fill their last block, ``blocks``, and hash it."""
         if token_ids is None:
             self.tracked[rows] = False
             return
         tracked = self.tracked[rows]
-        self.partial[rows[tracked], offsets[tracked]] = token_ids[tracked]
-        for row in rows[tracked & (offsets == self.block_size - 1)].tolist():
-            key = (self.last_hash[row], tuple(self.partial[row].tolist()))
-            alloc.register(int(self.tables[row, self.nblocks[row] - 1]), key)
+        if tracked.all():
+            self.partial[rows, offsets] = token_ids
+        else:
+            self.partial[rows[tracked], offsets[tracked]] = token_ids[tracked]
+            completing, blocks = completing[tracked[completing]], blocks[tracked[completing]]
+        done = rows[completing]
+        for row, block, chunk in zip(done.tolist(), blocks.tolist(), self.partial[done].tolist()):
+            key = (self.last_hash[row], tuple(chunk))
+            alloc.register(block, key)
             self.last_hash[row] = hash(key)
 
     # -- accounting and invariants ------------------------------------------------------------

@@ -171,8 +171,10 @@ class BlockPool:
         if ids is not None and ids.size != batch.rows.size:
             raise ValueError(f"token_ids must hold one id per sequence ({batch.rows.size}), got {ids.size}")
         positions, slot_mapping = batch.step(s, self._alloc, ids)
-        return self._plan(np.ones(batch.rows.size, np.int64), batch.lens, batch.tables.copy(),
-                          slot_mapping, positions)
+        return BatchPlan(query_start_loc=np.arange(batch.rows.size + 1, dtype=np.int32),
+                         seq_lens=batch.lens.astype(np.int32), block_tables=batch.tables.copy(),
+                         slot_mapping=slot_mapping, positions=positions, max_seq_len=batch.max_len,
+                         max_query_len=int(batch.rows.size > 0), _staging=self._staging)
 
     # -- sharing and freeing ----------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Benchmark of the KV cache ops (kernels_cu/cache_ops.cu).
+"""Benchmark of the KV cache ops (kernels_cu/cache_ops.cu): achieved GB/s and % of peak.
 
 GPU: each op is timed with CUDA events, L2 flushed between reps, inside an NVTX range named by its
 config; bytes moved = bytes read + bytes written. Sim (no GPU): one tiny size per op as a smoke
@@ -21,49 +21,99 @@ import _bench  # noqa: E402
 import cupaged  # noqa: E402
 from cupaged import sim  # noqa: E402
 
-GPU_CONFIGS = [  # (num_tokens, num_kv_heads, head_size, block_size, layout)
-    (256, 8, 128, 16, "NHD"), (4096, 8, 128, 16, "NHD"), (4096, 8, 128, 16, "HND"), (16384, 8, 128, 16, "NHD"),
-    (16384, 8, 64, 32, "NHD"), (16384, 1, 576, 16, "NHD"),
-]
-SIM_CONFIGS = [(64, 4, 128, 16, "NHD"), (64, 4, 128, 16, "HND")]
+
+def _pool(xp, rng, tokens, block_size):
+    num_blocks = -(-tokens // block_size) * 2
+    return num_blocks, xp.asarray(rng.permutation(num_blocks * block_size)[:tokens].astype(np.int64))
 
 
-def case(xp, alloc, num_tokens, num_kv_heads, head_size, block_size, layout, dtype=np.float16):
+def flash(xp, alloc, tokens, heads, head_size, block_size, layout="NHD", kv="auto"):
     rng = np.random.default_rng(0)
-    num_blocks = -(-num_tokens // block_size) * 2
-    key = xp.asarray(rng.standard_normal((num_tokens, num_kv_heads, head_size)).astype(dtype))
-    value = xp.asarray(rng.standard_normal((num_tokens, num_kv_heads, head_size)).astype(dtype))
-    shape = (num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD" else \
-        (num_blocks, num_kv_heads, block_size, head_size)
-    key_cache, value_cache = alloc(shape, dtype), alloc(shape, dtype)
-    slots = xp.asarray(rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int64))
-    nbytes = 2 * 2 * key.nbytes + slots.nbytes  # read K,V + write K,V + read slots
+    key = xp.asarray(rng.standard_normal((tokens, heads, head_size)).astype(np.float16))
+    value = xp.asarray(rng.standard_normal((tokens, heads, head_size)).astype(np.float16))
+    num_blocks, slots = _pool(xp, rng, tokens, block_size)
+    shape = (num_blocks, block_size, heads, head_size) if layout == "NHD" else (num_blocks, heads, block_size, head_size)
+    cache_dtype = np.float16 if kv == "auto" else np.uint8
+    kc, vc = alloc(shape, cache_dtype), alloc(shape, cache_dtype)
+    nbytes = 2 * key.nbytes + 2 * key.size * np.dtype(cache_dtype).itemsize + slots.nbytes
+    label = f"reshape_and_cache_flash t={tokens} h={heads} d={head_size} bs={block_size} {layout} fp16->{kv}"
+    return label, (lambda: cupaged.reshape_and_cache_flash(key, value, kc, vc, slots, kv, 0.05, 0.05, layout=layout)), nbytes
 
-    def run():
-        cupaged.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, layout=layout)
 
-    return run, nbytes
+def vllm(xp, alloc, tokens, heads, head_size, block_size, kv="auto"):
+    rng = np.random.default_rng(0)
+    key = xp.asarray(rng.standard_normal((tokens, heads, head_size)).astype(np.float16))
+    value = xp.asarray(rng.standard_normal((tokens, heads, head_size)).astype(np.float16))
+    num_blocks, slots = _pool(xp, rng, tokens, block_size)
+    cache_dtype = np.float16 if kv == "auto" else np.uint8
+    x = 16 // np.dtype(cache_dtype).itemsize
+    kc = alloc((num_blocks, heads, head_size // x, block_size, x), cache_dtype)
+    vc = alloc((num_blocks, heads, head_size, block_size), cache_dtype)
+    nbytes = 2 * key.nbytes + 2 * key.size * np.dtype(cache_dtype).itemsize + slots.nbytes
+    label = f"reshape_and_cache t={tokens} h={heads} d={head_size} bs={block_size} fp16->{kv}"
+    return label, (lambda: cupaged.reshape_and_cache(key, value, kc, vc, slots, kv, 0.05, 0.05)), nbytes
+
+
+def mla_write(xp, alloc, tokens, block_size, kv="auto"):
+    rng = np.random.default_rng(0)
+    kv_c = xp.asarray(rng.standard_normal((tokens, 512)).astype(np.float16))
+    k_pe = xp.asarray(rng.standard_normal((tokens, 64)).astype(np.float16))
+    num_blocks, slots = _pool(xp, rng, tokens, block_size)
+    cache = alloc((num_blocks, block_size, 576), np.float16 if kv == "auto" else np.uint8)
+    nbytes = kv_c.nbytes + k_pe.nbytes + tokens * 576 * cache.itemsize + slots.nbytes
+    return (f"concat_and_cache_mla t={tokens} bs={block_size} fp16->{kv}",
+            lambda: cupaged.concat_and_cache_mla(kv_c, k_pe, cache, slots, kv, 0.05), nbytes)
+
+
+def mla_gather(xp, alloc, tokens, block_size, kv="auto"):
+    rng = np.random.default_rng(0)
+    num_blocks = -(-tokens // block_size)
+    cache = xp.asarray(rng.integers(0, 120, (num_blocks, block_size, 576)).astype(np.uint8)) if kv != "auto" else \
+        xp.asarray(rng.standard_normal((num_blocks, block_size, 576)).astype(np.float16))
+    table = xp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(1, -1))
+    cu = xp.asarray(np.array([0, tokens], np.int32))
+    t2s = xp.asarray(np.zeros(tokens, np.int32))
+    dst = alloc((tokens, 576), np.float16)
+    nbytes = cache.nbytes + dst.nbytes
+    return (f"gather_and_maybe_dequant_cache t={tokens} bs={block_size} {kv}->fp16",
+            lambda: cupaged.gather_and_maybe_dequant_cache(cache, dst, table, cu, t2s, tokens, kv, 0.05), nbytes)
+
+
+def copy(xp, alloc, num_pairs, block_bytes_shape):
+    rng = np.random.default_rng(0)
+    caches = [alloc((2 * num_pairs, *block_bytes_shape), np.float16) for _ in range(2)]
+    perm = rng.permutation(2 * num_pairs)
+    mapping = xp.asarray(np.stack([perm[:num_pairs], perm[num_pairs:]], axis=1).astype(np.int64))
+    nbytes = 2 * 2 * num_pairs * int(np.prod(block_bytes_shape)) * 2
+    return (f"copy_blocks pairs={num_pairs} block={block_bytes_shape} fp16 K+V",
+            lambda: cupaged.copy_blocks(caches[:1], caches[1:], mapping), nbytes)
+
+
+GPU = [
+    (flash, (4096, 8, 128, 16)), (flash, (16384, 8, 128, 16)), (flash, (16384, 8, 128, 16, "HND")),
+    (flash, (16384, 8, 128, 16, "NHD", "fp8")), (vllm, (16384, 8, 128, 16)), (vllm, (16384, 8, 128, 16, "fp8")),
+    (mla_write, (16384, 64)), (mla_write, (16384, 64, "fp8")), (mla_gather, (32768, 64)),
+    (mla_gather, (32768, 64, "fp8")), (copy, (1024, (16, 8, 128))),
+]
+SIM = [(flash, (64, 4, 128, 16)), (flash, (64, 4, 128, 16, "HND", "fp8")), (vllm, (64, 4, 128, 16)),
+       (mla_write, (64, 16)), (mla_gather, (64, 16, "fp8")), (copy, (8, (16, 4, 64)))]
 
 
 def main():
     cp = _bench.gpu()
     rows = []
     if cp is None:
-        for cfg in SIM_CONFIGS:
-            run, nbytes = case(sim, sim.empty, *cfg)
-            label = "reshape_and_cache_flash t=%d h=%d d=%d bs=%d %s fp16" % cfg
+        for make, cfg in SIM:
+            label, run, nbytes = make(np, sim.empty, *cfg)
             with _bench.nvtx_range(label):
-                ms = _bench.time_cpu(run)
-            rows.append(_bench.summarize(label, "v1", ms, nbytes, None))
+                rows.append(_bench.summarize(label, "v1", _bench.time_cpu(run), nbytes, None))
         _bench.print_table(rows, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
         return
     device, peak = _bench.peak_bandwidth_gbps(cp)
-    for cfg in GPU_CONFIGS:
-        run, nbytes = case(cp, cp.empty, *cfg)
-        label = "reshape_and_cache_flash t=%d h=%d d=%d bs=%d %s fp16" % cfg
+    for make, cfg in GPU:
+        label, run, nbytes = make(cp, cp.empty, *cfg)
         with _bench.nvtx_range(label):
-            ms = _bench.time_gpu(cp, run)
-        rows.append(_bench.summarize(label, "v1", ms, nbytes, peak))
+            rows.append(_bench.summarize(label, "v1", _bench.time_gpu(cp, run), nbytes, peak))
     _bench.print_table(rows, f"{device} (peak {peak or '?'} GB/s)")
 
 

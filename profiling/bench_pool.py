@@ -34,7 +34,10 @@ def decode_pool(rng, prefix_caching=False):
     pool = BlockPool(int((lens.sum() + NUM_SEQS * (STEPS + 400)) // BLOCK_SIZE) + NUM_SEQS, BLOCK_SIZE,
                      enable_prefix_caching=prefix_caching)
     for i, n in enumerate(lens.tolist()):
-        pool.append(i, n)
+        if prefix_caching:  # token ids, so that every block a step completes gets hashed
+            pool.append(i, token_ids=rng.integers(0, 32000, n))
+        else:
+            pool.append(i, n)
     return pool
 
 

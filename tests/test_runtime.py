@@ -69,3 +69,13 @@ def test_selftest_passes_on_the_sim(capsys):
     assert run("sim") == 0
     out = capsys.readouterr().out
     assert "reshape_and_cache_flash float16 NHD" in out and "FAIL" not in out and "ERROR" not in out
+
+
+def test_selftest_reports_failures(monkeypatch, capsys):
+    from cupaged import selftest
+
+    monkeypatch.setattr(selftest, "CASES", {"wrong": lambda asarray, rng: (1.0, 0.5),
+                                            "raises": lambda asarray, rng: 1 / 0})
+    assert selftest.run("sim") == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "ERROR ZeroDivisionError" in out and "0 of 2 kernels ok" in out
