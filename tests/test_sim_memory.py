@@ -321,3 +321,18 @@ def test_guarded_allocation_helpers():
     assert sim.asarray(a) is a and a.dtype == np.float64
     f = sim.empty((4, 6), np.float16, order="F")
     assert f.flags.f_contiguous and f.shape == (4, 6)
+
+
+def test_staged_copies_keep_the_address_alignment():
+    """A plain numpy view 4 bytes into its buffer is staged at the same address mod 16, so a kernel
+    (or a wrapper choosing 16-byte accesses) sees the alignment the array really has."""
+    mod = sim.RawModule(code=r'''
+extern "C" __global__ void addr_mod16(const float* x, const float* y, long long* out) {
+  out[0] = (long long)((unsigned long long)x % 16);
+  out[1] = (long long)((unsigned long long)y % 16);
+}''')
+    base = np.zeros(64, np.float32)
+    out = np.zeros(2, np.int64)
+    for x, y in ((base[1:], base[8:]), (base[3:9], base[:5]), (base[4:], np.zeros(3, np.float32)[1:])):
+        mod.get_function("addr_mod16")((1,), (1,), (x, y, out))
+        assert out.tolist() == [x.ctypes.data % 16, y.ctypes.data % 16]

@@ -269,10 +269,13 @@ class _Staging:
                 self.groups.append([lo, hi, None, a.flags.writeable, [(i, a)]])
         self.buffers = {}
         for g in self.groups:
-            g[2] = GuardedBuffer(g[1] - g[0])
-            ctypes.memmove(g[2].data_addr, g[0], g[1] - g[0])
+            # keep the copy's address congruent to the original's mod 16, so a kernel that chose
+            # 16-byte accesses from the original alignment gets the same alignment here
+            lead = g[0] % 16
+            g[2] = GuardedBuffer(g[1] - g[0] + lead)
+            ctypes.memmove(g[2].data_addr + lead, g[0], g[1] - g[0])
             for i, a in g[4]:
-                self.ptr[i] = g[2].data_addr + a.__array_interface__["data"][0] - g[0]
+                self.ptr[i] = g[2].data_addr + lead + a.__array_interface__["data"][0] - g[0]
                 self.buffers[i] = g[2]
         for i, a, buf in direct:
             self.ptr[i] = a.__array_interface__["data"][0]
@@ -305,4 +308,4 @@ class _Staging:
     def finish(self):
         for lo, hi, buf, writable, _ in self.groups:
             if writable:
-                ctypes.memmove(lo, buf.data_addr, hi - lo)
+                ctypes.memmove(lo, buf.data_addr + lo % 16, hi - lo)
