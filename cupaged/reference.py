@@ -13,7 +13,8 @@ import numpy as np
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "reshape_and_cache_flash", "reshape_and_cache",
            "concat_and_cache_mla", "gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks",
-           "swap_blocks"]
+           "swap_blocks", "dense_kv", "attention_rows", "paged_attention", "paged_attention_v1",
+           "paged_attention_v2_partitions"]
 
 FP8 = {"fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
 
@@ -139,3 +140,121 @@ def swap_blocks(src, dst, block_mapping):
     for s, d in np.asarray(block_mapping).reshape(-1, 2):
         dst[d] = np.asarray(src)[s]
     return dst
+
+
+# ---------------------------------------------------------------- attention
+def dense_kv(key_cache, value_cache, block_table_row, seq_len, *, layout="NHD", kv_cache_dtype="auto",
+             k_scale=1.0, v_scale=1.0):
+    """The first seq_len keys and values of one sequence as float64 [seq_len, num_kv_heads, head_size]."""
+    seq_len = int(seq_len)
+    key_cache, value_cache = np.asarray(key_cache), np.asarray(value_cache)
+    block_size = {"NHD": key_cache.shape[1], "HND": key_cache.shape[2], "vllm": key_cache.shape[3]}[layout]
+    ids = np.asarray(block_table_row)[:-(-seq_len // block_size)].astype(np.int64)
+    k, v = key_cache[ids], value_cache[ids]
+    if layout == "HND":
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    elif layout == "vllm":  # K [n, H, D/x, bs, x] -> [n, bs, H, D]; V [n, H, D, bs] -> [n, bs, H, D]
+        n, h, chunks, bs, x = k.shape
+        k = k.transpose(0, 3, 1, 2, 4).reshape(n, bs, h, chunks * x)
+        v = v.transpose(0, 3, 1, 2)
+    k = k.reshape(-1, *k.shape[2:])[:seq_len]
+    v = v.reshape(-1, *v.shape[2:])[:seq_len]
+    if kv_cache_dtype != "auto":
+        k = dequantize_fp8(k, np.asarray(k_scale, np.float32).reshape(-1)[:, None], kv_cache_dtype)
+        v = dequantize_fp8(v, np.asarray(v_scale, np.float32).reshape(-1)[:, None], kv_cache_dtype)
+    return k.astype(np.float64), v.astype(np.float64)
+
+
+def attention_rows(q, k, v, positions, *, scale, causal=True, sliding_window=None, sink=None, alibi_slope=None,
+                   softcap=None, key_offset=0):
+    """Two-pass softmax attention of query rows q [n, D] at ``positions`` over keys k/v [L, D]
+    (key j at position key_offset + j). Returns (out [n, Dv] float64, lse [n] float64)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    key_pos = key_offset + np.arange(k.shape[0])
+    pos = np.asarray(positions)[:, None]
+    visible = np.ones((q.shape[0], k.shape[0]), bool)
+    if causal:
+        visible &= key_pos[None, :] <= pos
+    if sliding_window:
+        visible &= key_pos[None, :] > pos - sliding_window
+    with np.errstate(invalid="ignore", over="ignore"):
+        logits = scale * (q @ np.where(visible.any(axis=0)[:, None], k, 0.0).T)
+        if softcap:
+            logits = softcap * np.tanh(logits / softcap)
+        if alibi_slope is not None:
+            logits = logits - alibi_slope * np.abs(key_pos[None, :] - pos)
+    logits = np.where(visible, logits, -np.inf)
+    sink = -np.inf if sink is None else float(sink)
+    m = np.maximum(logits.max(axis=1, initial=-np.inf), sink)  # pass 1: the row maximum
+    finite = np.isfinite(m)
+    m_safe = np.where(finite, m, 0.0)
+    w = np.where(visible, np.exp(logits - m_safe[:, None]), 0.0)  # pass 2: weights, then their sum
+    denom = w.sum(axis=1) + (np.exp(sink - m_safe) if np.isfinite(sink) else 0.0)
+    out = w @ np.where(visible.any(axis=0)[:, None], v, 0.0)
+    ok = denom > 0
+    out = np.where(ok[:, None], out / np.where(ok, denom, 1.0)[:, None], 0.0)
+    lse = np.where(ok, m_safe + np.log(np.where(ok, denom, 1.0)), -np.inf)
+    return out, lse
+
+
+def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
+                    causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
+                    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD"):
+    """(out [num_tokens, num_heads, head_size] float64, lse [num_heads, num_tokens] float64): gather
+    each sequence's K/V densely, then attention_rows per head. Positions are bottom-right aligned."""
+    q = np.asarray(q)
+    num_tokens, num_heads, head_size = q.shape
+    seq_lens = np.asarray(seq_lens).astype(np.int64)
+    qsl = np.arange(len(seq_lens) + 1) if query_start_loc is None else np.asarray(query_start_loc).astype(np.int64)
+    scale = 1.0 / np.sqrt(head_size) if scale is None else scale
+    out = np.zeros((num_tokens, num_heads, head_size))
+    lse = np.full((num_heads, num_tokens), -np.inf)
+    for s, seq_len in enumerate(seq_lens):
+        t0, t1 = qsl[s], qsl[s + 1]
+        k, v = dense_kv(key_cache, value_cache, np.asarray(block_tables)[s], seq_len, layout=layout,
+                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+        group = num_heads // k.shape[1]
+        positions = seq_len - (t1 - t0) + np.arange(t1 - t0)
+        for h in range(num_heads):
+            o, l = attention_rows(q[t0:t1, h], k[:, h // group], v[:, h // group], positions, scale=scale,
+                                  causal=causal, sliding_window=sliding_window,
+                                  sink=None if sinks is None else np.asarray(sinks)[h],
+                                  alibi_slope=None if alibi_slopes is None else np.asarray(alibi_slopes)[h],
+                                  softcap=softcap)
+            out[t0:t1, h], lse[h, t0:t1] = o, l
+    return out, lse
+
+
+def paged_attention_v1(query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
+                       alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
+    """vLLM's v1 semantics (decode, vLLM cache layout): the output as float64."""
+    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+                           alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                           v_scale=v_scale, layout="vllm")[0]
+
+
+def paged_attention_v2_partitions(query, key_cache, value_cache, scale, block_tables, seq_lens, max_num_partitions,
+                                  alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                                  partition_size=512):
+    """vLLM v2's per-partition values: (exp_sums, max_logits) [num_seqs, num_heads, partitions] and
+    tmp_output [..., head_size], float64; partitions at or past ceil(seq_len / 512) stay NaN."""
+    query = np.asarray(query)
+    num_seqs, num_heads, head_size = query.shape
+    exp_sums = np.full((num_seqs, num_heads, max_num_partitions), np.nan)
+    max_logits = np.full_like(exp_sums, np.nan)
+    tmp = np.full((num_seqs, num_heads, max_num_partitions, head_size), np.nan)
+    for s, seq_len in enumerate(np.asarray(seq_lens).astype(np.int64)):
+        k, v = dense_kv(key_cache, value_cache, np.asarray(block_tables)[s], seq_len, layout="vllm",
+                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+        group = num_heads // k.shape[1]
+        for p in range(-(-seq_len // partition_size)):
+            lo, hi = p * partition_size, min(seq_len, (p + 1) * partition_size)
+            for h in range(num_heads):
+                logits = scale * (k[lo:hi, h // group] @ query[s, h].astype(np.float64))
+                if alibi_slopes is not None:
+                    logits = logits + np.asarray(alibi_slopes)[h] * (np.arange(lo, hi) - (seq_len - 1))
+                m = logits.max()
+                w = np.exp(logits - m)
+                max_logits[s, h, p], exp_sums[s, h, p] = m, w.sum()
+                tmp[s, h, p] = w @ v[lo:hi, h // group] / w.sum()
+    return exp_sums, max_logits, tmp

@@ -1,0 +1,131 @@
+"""Argument checks shared by the attention ops (DESIGN.md §4-5): every message names the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupaged._cache_args import cache_dtype, check_index
+from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_last_contiguous, check_ndim, \
+    element_strides
+
+__all__ = ["check_q", "check_caches", "check_tables", "check_head_vector", "check_out", "MAX_HEAD_SIZE"]
+
+MAX_HEAD_SIZE = 256
+
+
+def check_q(q, name="q"):
+    check_ndim(name, q, 3, "[num_tokens, num_heads, head_size]")
+    check_dtype(name, q, FLOAT_DTYPES)
+    check_last_contiguous(name, q)
+    num_tokens, num_heads, head_size = q.shape
+    if head_size > MAX_HEAD_SIZE:
+        raise NotImplementedError(f"head_size={head_size} ({name}'s last dimension): at most {MAX_HEAD_SIZE} is supported")
+    if num_heads == 0 or head_size == 0:
+        raise ValueError(f"{name} must have at least one head and head_size >= 1, got shape {tuple(q.shape)}")
+    return num_tokens, num_heads, head_size
+
+
+def _aligned(a, strides, x) -> bool:
+    return address(a) % 16 == 0 and all(s % x == 0 for s in strides)
+
+
+def check_caches(key_cache, value_cache, q, kv_cache_dtype, layout, layouts=("NHD", "HND")):
+    """Cache shapes/dtypes for ``layout`` and the kernel's address strides (see paged_attention.cu)."""
+    check_choice("layout", layout, layouts)
+    want = cache_dtype(kv_cache_dtype, q.dtype)
+    head_size = q.shape[2]
+    x = 16 // want.itemsize
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dtype != want:
+            raise TypeError(f"{name} must have dtype {want} for q {q.dtype} and kv_cache_dtype={kv_cache_dtype!r}, "
+                            f"got {cache.dtype}")
+        check_last_contiguous(name, cache)
+    if layout == "vllm":
+        check_ndim("key_cache", key_cache, 5, "[num_blocks, num_kv_heads, head_size // x, block_size, x]")
+        check_ndim("value_cache", value_cache, 4, "[num_blocks, num_kv_heads, head_size, block_size]")
+        nb, kv_heads, chunks, block_size, kx = key_cache.shape
+        if kx != x or chunks * x != head_size:
+            raise ValueError(f"key_cache must be [num_blocks, num_kv_heads, {head_size // x}, block_size, {x}] for "
+                             f"head_size={head_size} and a {want} cache, got {tuple(key_cache.shape)}")
+        if value_cache.shape != (nb, kv_heads, head_size, block_size):
+            raise ValueError(f"value_cache must be [{nb}, {kv_heads}, {head_size}, {block_size}], got "
+                             f"{tuple(value_cache.shape)}")
+        ks, vs = element_strides("key_cache", key_cache), element_strides("value_cache", value_cache)
+        k = dict(k_block_stride=ks[0], k_head_stride=ks[1], k_chunk_stride=ks[2], k_page_stride=ks[3])
+        v = dict(v_block_stride=vs[0], v_head_stride=vs[1], v_page_stride=vs[3], v_dim_stride=vs[2])
+    else:
+        dims = "[num_blocks, block_size, num_kv_heads, head_size]" if layout == "NHD" else \
+            "[num_blocks, num_kv_heads, block_size, head_size]"
+        check_ndim("key_cache", key_cache, 4, dims)
+        check_ndim("value_cache", value_cache, 4, dims)
+        heads_axis, page_axis = (2, 1) if layout == "NHD" else (1, 2)
+        if key_cache.shape[3] != head_size:
+            raise ValueError(f"key_cache's head_size {key_cache.shape[3]} must equal q's {head_size}")
+        if value_cache.shape != key_cache.shape:
+            raise ValueError(f"value_cache must have key_cache's shape {tuple(key_cache.shape)}, "
+                             f"got {tuple(value_cache.shape)}")
+        kv_heads, block_size = key_cache.shape[heads_axis], key_cache.shape[page_axis]
+        ks, vs = element_strides("key_cache", key_cache), element_strides("value_cache", value_cache)
+        k = dict(k_block_stride=ks[0], k_head_stride=ks[heads_axis], k_chunk_stride=x, k_page_stride=ks[page_axis])
+        v = dict(v_block_stride=vs[0], v_head_stride=vs[heads_axis], v_page_stride=vs[page_axis], v_dim_stride=1)
+    if kv_heads == 0 or block_size == 0:
+        raise ValueError(f"key_cache must have num_kv_heads >= 1 and block_size >= 1, got {tuple(key_cache.shape)}")
+    vec_k = _aligned(key_cache, [s for n, s in k.items() if n != "k_chunk_stride"], x) and k["k_chunk_stride"] % x == 0
+    vec_v = v["v_dim_stride"] == 1 and _aligned(value_cache, list(v.values())[:3], x)
+    return dict(kv_heads=kv_heads, block_size=block_size, vec_k=int(vec_k), vec_v=int(vec_v), **k, **v)
+
+
+def check_tables(block_tables, seq_lens, query_start_loc, num_tokens):
+    """Index arrays of a paged-attention call; returns num_seqs."""
+    check_index("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    check_index("seq_lens", seq_lens, 1, "[num_seqs]")
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must have num_seqs={num_seqs} rows (seq_lens' length), got "
+                         f"{block_tables.shape[0]}")
+    if query_start_loc is None:
+        if num_tokens != num_seqs:
+            raise ValueError(f"without query_start_loc (decode) q must have one token per sequence: "
+                             f"num_tokens={num_tokens}, num_seqs={num_seqs}")
+    else:
+        check_index("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+        if query_start_loc.shape[0] != num_seqs + 1:
+            raise ValueError(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got "
+                             f"{query_start_loc.shape[0]}")
+    if num_seqs > 65535:
+        raise NotImplementedError(f"seq_lens: at most 65535 sequences per call, got {num_seqs}")
+    return num_seqs
+
+
+def check_head_vector(name, a, num_heads, xp):
+    """None, or float32 [num_heads] (a numpy array beside cupy data is uploaded)."""
+    if a is None:
+        return None
+    module = type(a).__module__.split(".")[0]
+    if module not in ("numpy", "cupy") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be a float32 array [num_heads], got {type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    if a.shape != (num_heads,):
+        raise ValueError(f"{name} must be [num_heads] = [{num_heads}], got shape {tuple(a.shape)}")
+    if module == "cupy" and xp is np:
+        raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
+    return xp.ascontiguousarray(a) if module == xp.__name__ else xp.asarray(a)
+
+
+def check_out(out, like, name, shape=None):
+    """``out`` given: the expected shape and dtype, last dimension contiguous; else a new array."""
+    shape = tuple(like.shape) if shape is None else tuple(shape)
+    xp = np if isinstance(like, np.ndarray) else __import__("cupy")
+    if out is None:
+        if xp is np:
+            from cupaged import sim
+
+            return sim.empty(shape, like.dtype)
+        return xp.empty(shape, like.dtype)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"{name} must have dtype {like.dtype}, got {out.dtype}")
+    check_last_contiguous(name, out)
+    return out

@@ -1,0 +1,209 @@
+"""Paged attention (kernels_cu/paged_attention.cu): varlen prefill chunks and decode tokens in one
+call, GQA/MQA, causal / sliding window / sinks / ALiBi / soft-capping, fp8 caches, LSE, split-KV."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from cupaged._attention_args import check_caches, check_head_vector, check_out, check_q, check_tables
+from cupaged._cache_args import KV_CODE, scale_args
+from cupaged._checks import CTYPE, address, element_strides, validate_enabled
+from cupaged._runtime import KernelFamily, array_module
+
+__all__ = ["paged_attention", "HEAD_BUCKETS"]
+
+HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
+ROWS, TILE, THREADS = 16, 32, 128  # PA_ROWS, PA_TILE, PA_THREADS in the kernel
+NOMINAL_SMS = 132  # H100/H200, for sizing splits on the sim
+
+PARAMS = np.dtype([(n, np.int64) for n in (
+    "q_token_stride", "q_head_stride", "out_token_stride", "out_head_stride", "k_block_stride", "k_head_stride",
+    "k_chunk_stride", "k_page_stride", "v_block_stride", "v_head_stride", "v_page_stride", "v_dim_stride",
+    "table_stride")] + [(n, np.float32) for n in ("scale", "softcap", "k_scale_value", "v_scale_value")] + [
+    (n, np.int32) for n in ("scale_per_head", "causal", "window", "always_partials", "num_tokens", "num_heads",
+                            "num_kv_heads", "head_size", "block_size", "kv_split_size", "max_splits", "vec_k",
+                            "vec_v")], align=True)  # struct PaParams
+
+
+def _main(t, kv, hd):
+    return f"cupaged::paged_attention_kernel<{t}, {kv}, {hd}>"
+
+
+def _reduce(t, hd):
+    return f"cupaged::paged_attention_reduce_kernel<{t}, {hd}>"
+
+
+_TYPES = ("float", "__half", "__nv_bfloat16")
+FAMILY = KernelFamily("paged_attention", [
+    *(_main(t, kv, hd) for t in _TYPES for kv in (0, 1, 2) for hd in HEAD_BUCKETS),
+    *(_reduce(t, hd) for t in _TYPES for hd in HEAD_BUCKETS),
+])
+
+
+def smem_bytes(hd: int) -> int:
+    """Dynamic shared memory of the main kernel (PaSmem<HD>::FLOATS floats)."""
+    return 4 * (ROWS * hd + TILE * (hd + 1) + TILE * hd + ROWS * TILE + 3 * ROWS)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(xp) -> int:
+    if xp is np:
+        return NOMINAL_SMS
+    return xp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def choose_split(xp, ctas: int, max_kv: int) -> int:
+    """kv_split_size=None: split long contexts until ~2 CTAs per SM have work (0 = no split).
+    Chosen from the batch's shape, so only a fixed kv_split_size is batch-invariant."""
+    target = 2 * _sm_count(xp)
+    if ctas >= target or max_kv <= 256:
+        return 0
+    splits = math.ceil(target / max(ctas, 1))
+    size = max(256, -(-math.ceil(max_kv / splits) // 256) * 256)
+    return 0 if size >= max_kv else size
+
+
+def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_start_loc, out, lse, *, scale,
+           causal, window, sinks, alibi, softcap, kv_cache_dtype, k_scale, v_scale, kv_split_size, max_splits,
+           tiles, partials=None, always_partials=False):
+    """Launch the main kernel (and the split reduction). ``caches`` = the key/value address strides."""
+    num_tokens, num_heads, head_size = q.shape
+    num_seqs = seq_lens.shape[0]
+    hd = next(b for b in HEAD_BUCKETS if b >= head_size)
+    k_ptr, v_ptr, ksv, vsv, per_head = _scale_pair(xp, kv_cache_dtype, k_scale, v_scale, caches["kv_heads"])
+    p = np.zeros((), PARAMS)
+    qs, os_ = element_strides("q", q), element_strides("out", out)
+    for name, value in dict(
+            q_token_stride=qs[0], q_head_stride=qs[1], out_token_stride=os_[0], out_head_stride=os_[1],
+            table_stride=element_strides("block_tables", block_tables)[0], scale=scale, softcap=softcap or 0.0,
+            k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head, causal=int(causal), window=window,
+            always_partials=int(always_partials), num_tokens=num_tokens, num_heads=num_heads,
+            num_kv_heads=caches["kv_heads"], head_size=head_size, block_size=caches["block_size"],
+            kv_split_size=kv_split_size, max_splits=max_splits, vec_k=caches["vec_k"], vec_v=caches["vec_v"],
+            **{k: v for k, v in caches.items() if k.startswith(("k_", "v_"))}).items():
+        p[name] = value
+    if partials is None and (max_splits > 1 or always_partials):
+        partials = (xp.empty((num_tokens, num_heads, max_splits), np.float32),
+                    xp.empty((num_tokens, num_heads, max_splits), np.float32),
+                    xp.empty((num_tokens, num_heads, max_splits, head_size), q.dtype))
+    max_logits, exp_sums, tmp_output = partials or (None, None, None)
+    t = CTYPE[q.dtype]
+    kernel = FAMILY.function(_main(t, KV_CODE[kv_cache_dtype], hd), xp)
+    kernel.max_dynamic_shared_size_bytes = smem_bytes(hd)
+    grid = (tiles * max_splits, caches["kv_heads"], num_seqs)
+    kernel(grid, (THREADS,), (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks, alibi, k_ptr,
+                              v_ptr, out, lse, max_logits, exp_sums, tmp_output, p[()]), shared_mem=smem_bytes(hd))
+    if max_splits > 1 and kv_split_size > 0:  # sequences with one split were finished above
+        reduce = FAMILY.function(_reduce(t, hd), xp)
+        reduce((num_tokens, num_heads), (THREADS,), (out, lse, max_logits, exp_sums, tmp_output, seq_lens,
+                                                      query_start_loc, sinks, p[()], np.int32(num_seqs)))
+
+
+def _scale_pair(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):
+    k = scale_args("k_scale", k_scale, xp, kv_cache_dtype, num_kv_heads)
+    v = scale_args("v_scale", v_scale, xp, kv_cache_dtype, num_kv_heads)
+    if max(k[2], v[2]) and (k[0] is None or v[0] is None or k[0].size != v[0].size):
+        raise ValueError("k_scale and v_scale must both be per-head arrays when one of them is")
+    return k[0], v[0], k[1], v[1], max(k[2], v[2])
+
+
+def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
+                    causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
+                    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD", kv_split_size=None,
+                    max_query_len=None, max_seq_len=None, workspace=None, out=None, return_lse=False, validate=None):
+    """Attention of ``q`` ``[num_tokens, num_heads, head_size]`` over a paged KV cache.
+
+    ``query_start_loc`` (int32 ``[num_seqs + 1]``) splits the tokens into sequences; ``None`` means
+    decode (one query per sequence). Query i of sequence s sits at position
+    ``seq_lens[s] - q_len + i`` (bottom-right aligned), so one call serves prefill chunks over a
+    cached prefix and decode tokens alike. Returns ``out`` (and LSE float32 ``[num_heads,
+    num_tokens]``, natural log, with ``return_lse=True``). See README.md for every argument.
+    """
+    xp = array_module(q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                      seq_lens=seq_lens, query_start_loc=query_start_loc, out=out, workspace=workspace)
+    num_tokens, num_heads, head_size = check_q(q)
+    caches = check_caches(key_cache, value_cache, q, kv_cache_dtype, layout)
+    num_kv_heads = caches["kv_heads"]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} (q's dimension 1) must be a multiple of num_kv_heads={num_kv_heads}")
+    num_seqs = check_tables(block_tables, seq_lens, query_start_loc, num_tokens)
+    window = int(sliding_window or 0)
+    if window < 0:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if window and not causal:
+        raise ValueError("sliding_window requires causal=True")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    sinks = check_head_vector("sinks", sinks, num_heads, xp)
+    alibi = check_head_vector("alibi_slopes", alibi_slopes, num_heads, xp)
+    scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+    if kv_split_size is not None and int(kv_split_size) < 1:
+        raise ValueError(f"kv_split_size must be None or >= 1, got {kv_split_size}")
+    out = check_out(out, q, "out")
+    lse = xp.empty((num_heads, num_tokens), np.float32) if return_lse else None
+    if validate_enabled(validate):
+        _validate_contents(block_tables, seq_lens, query_start_loc, key_cache.shape[0], caches["block_size"],
+                           num_tokens)
+    if num_tokens == 0:
+        return (out, lse) if return_lse else out
+    decode = query_start_loc is None
+    group = num_heads // num_kv_heads
+    max_q = 1 if decode else int(max_query_len or num_tokens)
+    tiles = -(-max_q * group // ROWS)
+    max_kv = int(max_seq_len or block_tables.shape[1] * caches["block_size"])
+    split = int(kv_split_size) if kv_split_size is not None else \
+        choose_split(xp, num_seqs * num_kv_heads * tiles, max_kv)
+    max_splits = max(1, -(-max_kv // split)) if split else 1
+    partials = _carve(workspace, xp, num_tokens, num_heads, max_splits, head_size, q.dtype) if max_splits > 1 else None
+    launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_start_loc, out, lse, scale=scale,
+           causal=causal, window=window, sinks=sinks, alibi=alibi, softcap=softcap, kv_cache_dtype=kv_cache_dtype,
+           k_scale=k_scale, v_scale=v_scale, kv_split_size=split if max_splits > 1 else 0, max_splits=max_splits,
+           tiles=tiles, partials=partials)
+    return (out, lse) if return_lse else out
+
+
+def workspace_bytes(num_tokens, num_heads, max_splits, head_size, dtype) -> int:
+    """Bytes of split partials: max_logits and exp_sums (float32) and tmp_output (dtype)."""
+    n = num_tokens * num_heads * max_splits
+    return 8 * n + n * head_size * np.dtype(dtype).itemsize + 256
+
+
+def _carve(workspace, xp, num_tokens, num_heads, max_splits, head_size, dtype):
+    if workspace is None:
+        return None
+    need = workspace_bytes(num_tokens, num_heads, max_splits, head_size, dtype)
+    if workspace.dtype != np.uint8 or workspace.ndim != 1 or workspace.size < need:
+        raise ValueError(f"workspace must be a 1-D uint8 array of >= {need} bytes for {max_splits} splits, got "
+                         f"{workspace.dtype} shape {tuple(workspace.shape)}")
+    n = num_tokens * num_heads * max_splits
+    off = (-address(workspace)) % 256
+    ml = workspace[off:off + 4 * n].view(np.float32).reshape(num_tokens, num_heads, max_splits)
+    es = workspace[off + 4 * n:off + 8 * n].view(np.float32).reshape(num_tokens, num_heads, max_splits)
+    size = np.dtype(dtype).itemsize
+    tmp = workspace[off + 8 * n:off + 8 * n + n * head_size * size].view(dtype)
+    return ml, es, tmp.reshape(num_tokens, num_heads, max_splits, head_size)
+
+
+def _validate_contents(block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens):
+    from cupaged._cache_args import host_copy
+
+    lens = host_copy(seq_lens).astype(np.int64)
+    if lens.size and lens.min() < 0:
+        raise ValueError("seq_lens must be >= 0")
+    if query_start_loc is not None:
+        qsl = host_copy(query_start_loc).astype(np.int64)
+        if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] != num_tokens:
+            raise ValueError(f"query_start_loc must start at 0, be non-decreasing and end at num_tokens={num_tokens}")
+        if np.any(np.diff(qsl) > lens):
+            raise ValueError("every sequence needs q_len <= seq_len (query_start_loc against seq_lens)")
+    need = -(-lens // block_size)
+    table = host_copy(block_tables)
+    if need.size and need.max() > table.shape[1]:
+        raise ValueError(f"seq_lens need up to {need.max()} blocks, block_tables has {table.shape[1]} columns")
+    for s, n in enumerate(need):
+        ids = table[s, :n]
+        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+            raise ValueError(f"block_tables[{s}] holds a block id outside the pool of {num_blocks} blocks")

@@ -1,0 +1,345 @@
+// paged_attention.cu: attention of varlen queries over a paged KV cache, split-KV with an LSE merge.
+//
+// Maths, per query row (token t of sequence s at position p = seq_len - q_len + i, head h):
+//   s_j = softcap(scale * q . k_j) - slope_h * |j - p|      for visible keys j
+//   out = sum_j e^{s_j - M} v_j / (sum_j e^{s_j - M} + e^{sink_h - M}),  LSE = M + log(denominator)
+// visible: j < seq_len, j <= p when causal, j > p - window when windowed. fp32 online softmax.
+//
+// Layouts (DESIGN.md §4), strides in elements; the key cache is addressed as
+//   block * k_block_stride + head * k_head_stride + (d / X) * k_chunk_stride + pos * k_page_stride + d % X
+// with X = 16 / sizeof(cache element), which covers flash NHD/HND (k_chunk_stride = X) and vLLM's
+// [num_blocks, num_kv_heads, head_size / X, block_size, X]; values are
+//   block * v_block_stride + head * v_head_stride + pos * v_page_stride + d * v_dim_stride
+// (flash: v_dim_stride = 1; vLLM [num_blocks, num_kv_heads, head_size, block_size]: v_page_stride = 1).
+//   q, out       [num_tokens, num_heads, head_size]  (any token stride)
+//   lse          [num_heads, num_tokens] float32, natural log
+//   max_logits, exp_sums [num_tokens, num_heads, max_splits] float32; tmp_output [..., head_size] (out's type)
+//
+// Versions:
+//   v1 paged_attention_kernel: one CTA per (kv head, sequence, tile of R query rows, KV split). The R
+//      rows are (token, head) pairs of one GQA group, so every K/V byte a CTA reads serves all of its
+//      query heads. K/V tiles of TK tokens are staged in shared memory as float32 (fp8 dequantized on
+//      load, 16-byte loads when aligned), only the union of the rows' visible ranges is loaded, and
+//      scores and P·V run over each row's own visible range: masking is selection, never a zero weight
+//      times a loaded value. A sequence whose context fits one split writes out/LSE itself; otherwise
+//      each split writes (max, exp-sum relative to it, normalized output) and
+//   v1 paged_attention_reduce_kernel merges the splits of one (token, head), adding the sink once.
+//
+// Test:      pytest tests/test_paged_attention.py
+// Benchmark: python profiling/bench_paged_attention.py
+#include "common.cuh"
+
+namespace cupaged {
+
+constexpr int PA_THREADS = 128;  // 4 warps
+constexpr int PA_ROWS = 16;      // query rows (token, head) per CTA
+constexpr int PA_TILE = 32;      // keys per shared-memory tile (one per lane in the softmax)
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Dynamic shared memory of a CTA, in floats.
+template <int HD>
+struct PaSmem {
+  static constexpr int K_STRIDE = HD + 1;  // padded: the score loop reads K rows across lanes
+  static constexpr int Q = 0;
+  static constexpr int K = Q + PA_ROWS * HD;
+  static constexpr int V = K + PA_TILE * K_STRIDE;
+  static constexpr int P = V + PA_TILE * HD;
+  static constexpr int ROW_M = P + PA_ROWS * PA_TILE;
+  static constexpr int ROW_L = ROW_M + PA_ROWS;
+  static constexpr int ROW_ALPHA = ROW_L + PA_ROWS;
+  static constexpr int FLOATS = ROW_ALPHA + PA_ROWS;
+};
+
+// One query row of a CTA.
+struct PaRow {
+  int token, head, lo, hi;  // keys lo..hi (inclusive) are visible within this split
+  float slope, sink;
+};
+
+struct PaParams {
+  long long q_token_stride, q_head_stride, out_token_stride, out_head_stride;
+  long long k_block_stride, k_head_stride, k_chunk_stride, k_page_stride;
+  long long v_block_stride, v_head_stride, v_page_stride, v_dim_stride;
+  long long table_stride;
+  float scale, softcap, k_scale_value, v_scale_value;
+  int scale_per_head, causal, window, always_partials;
+  int num_tokens, num_heads, num_kv_heads, head_size, block_size, kv_split_size, max_splits;
+  int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
+};
+
+// Load keys/values base..base+n-1 of one kv head into shared memory as float32.
+template <class CacheT, int KV, int HD>
+__device__ __forceinline__ void pa_load_tile(float* ks, float* vs, const CacheT* key_cache, const CacheT* value_cache,
+                                             const int* tile_blocks, int first_block, int base, int n, int kv_head,
+                                             float k_scale, float v_scale, const PaParams& p) {
+  constexpr int X = 16 / int(sizeof(CacheT));
+  const int chunks = (p.head_size + X - 1) / X;
+  for (int i = threadIdx.x; i < n * chunks; i += blockDim.x) {
+    const int j = i / chunks, c = i - j * chunks;
+    const int pos = base + j;
+    const long long block = tile_blocks[pos / p.block_size - first_block];
+    const int off = pos % p.block_size;
+    const int d0 = c * X;
+    const CacheT* kp = key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c * p.k_chunk_stride +
+                       off * p.k_page_stride;
+    const CacheT* vp = value_cache + block * p.v_block_stride + kv_head * p.v_head_stride + off * p.v_page_stride +
+                       d0 * p.v_dim_stride;
+    float* kd = ks + j * PaSmem<HD>::K_STRIDE + d0;
+    float* vd = vs + j * HD + d0;
+    if (p.vec_k && d0 + X <= p.head_size) {
+      const Vec<CacheT, X> kv = load_vec<CacheT, X>(kp);
+#pragma unroll
+      for (int e = 0; e < X; ++e) kd[e] = dequantize<KV, float>(kv.v[e], k_scale);
+    } else {
+      for (int e = 0; e < X && d0 + e < p.head_size; ++e) kd[e] = dequantize<KV, float>(kp[e], k_scale);
+    }
+    if (p.vec_v && d0 + X <= p.head_size) {
+      const Vec<CacheT, X> vv = load_vec<CacheT, X>(vp);
+#pragma unroll
+      for (int e = 0; e < X; ++e) vd[e] = dequantize<KV, float>(vv.v[e], v_scale);
+    } else {
+      for (int e = 0; e < X && d0 + e < p.head_size; ++e) vd[e] = dequantize<KV, float>(vp[e * p.v_dim_stride], v_scale);
+    }
+  }
+}
+
+template <class T, int KV, int HD>
+__global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
+    const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
+    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // see the layout note above
+    const typename CacheType<KV, T>::type* __restrict__ value_cache,
+    const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens,        // [num_seqs]
+    const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
+    const float* __restrict__ sinks,         // [num_heads] or nullptr
+    const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
+    const float* __restrict__ k_scale,       // [1] or [num_kv_heads], or nullptr: p.k_scale_value
+    const float* __restrict__ v_scale,
+    T* __restrict__ out,                     // [num_tokens, num_heads, head_size]
+    float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
+    float* __restrict__ max_logits,          // [num_tokens, num_heads, max_splits] or nullptr (no split)
+    float* __restrict__ exp_sums,            // [num_tokens, num_heads, max_splits]
+    T* __restrict__ tmp_output,              // [num_tokens, num_heads, max_splits, head_size]
+    PaParams p) {
+  extern __shared__ float smem[];
+  __shared__ PaRow rows[PA_ROWS];
+  __shared__ int tile_blocks[PA_TILE + 1];
+  __shared__ int span[2];
+  float* qs = smem + PaSmem<HD>::Q;
+  float* ks = smem + PaSmem<HD>::K;
+  float* vs = smem + PaSmem<HD>::V;
+  float* ps = smem + PaSmem<HD>::P;
+  float* row_m = smem + PaSmem<HD>::ROW_M;
+  float* row_l = smem + PaSmem<HD>::ROW_L;
+  float* row_alpha = smem + PaSmem<HD>::ROW_ALPHA;
+
+  const int kv_head = blockIdx.y, seq = blockIdx.z;
+  const int tile = blockIdx.x / p.max_splits, split = blockIdx.x % p.max_splits;
+  const int seq_len = seq_lens[seq];
+  const int q_start = query_start_loc ? query_start_loc[seq] : seq;
+  const int q_len = query_start_loc ? query_start_loc[seq + 1] - q_start : 1;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int row0 = tile * PA_ROWS;
+  const int num_splits = p.kv_split_size > 0 ? max(1, (seq_len + p.kv_split_size - 1) / p.kv_split_size) : 1;
+  if (row0 >= q_len * group || split >= num_splits) return;  // idle CTA of a shape-sized grid
+  const int nrows = min(PA_ROWS, q_len * group - row0);
+  const int split_lo = p.kv_split_size > 0 ? split * p.kv_split_size : 0;
+  const int split_hi = p.kv_split_size > 0 ? min(seq_len, split_lo + p.kv_split_size) - 1 : seq_len - 1;
+
+  if (threadIdx.x < PA_ROWS) {
+    const int r = threadIdx.x;
+    PaRow row{0, 0, 0, -1, 0.0f, neg_inf()};
+    if (r < nrows) {
+      const int i = (row0 + r) / group;
+      row.token = q_start + i;
+      row.head = kv_head * group + (row0 + r) % group;
+      const int pos = seq_len - q_len + i;
+      const int hi = p.causal ? pos : seq_len - 1;
+      const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
+      row.lo = max(lo, split_lo);
+      row.hi = min(hi, split_hi);
+      row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
+      row.sink = sinks ? sinks[row.head] : neg_inf();
+    }
+    rows[r] = row;
+    row_m[r] = neg_inf();
+    row_l[r] = 0.0f;
+  }
+  for (int i = threadIdx.x; i < PA_ROWS * HD; i += blockDim.x) {
+    const int r = i / HD, d = i - r * HD;
+    float x = 0.0f;
+    if (r < nrows && d < p.head_size) {
+      const int token = q_start + (row0 + r) / group, head = kv_head * group + (row0 + r) % group;
+      x = to_float(q[token * p.q_token_stride + head * p.q_head_stride + d]);
+    }
+    qs[i] = x;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // keys any row of this CTA can see: the only ones loaded
+    int lo = 0x7fffffff, hi = -1;
+    for (int r = 0; r < nrows; ++r)
+      if (rows[r].lo <= rows[r].hi) { lo = min(lo, rows[r].lo); hi = max(hi, rows[r].hi); }
+    span[0] = lo;
+    span[1] = hi;
+  }
+  __syncthreads();
+
+  // Each thread accumulates columns d of its rows: rows rg, rg + RG, ... and columns t, t + 128, ...
+  constexpr int COLS = HD >= PA_THREADS ? HD / PA_THREADS : 1;
+  constexpr int RG = HD >= PA_THREADS ? 1 : PA_THREADS / HD;
+  constexpr int ROWS = PA_ROWS / RG;
+  const int my_rg = HD >= PA_THREADS ? 0 : threadIdx.x / HD;
+  const int my_col = HD >= PA_THREADS ? threadIdx.x : threadIdx.x % HD;
+  float acc[ROWS][COLS];
+#pragma unroll
+  for (int k = 0; k < ROWS; ++k)
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) acc[k][c] = 0.0f;
+
+  const float ks_scale = read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head);
+  const float vs_scale = read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int base = span[0]; base <= span[1]; base += PA_TILE) {
+    const int n = min(PA_TILE, span[1] - base + 1);
+    const int first_block = base / p.block_size, last_block = (base + n - 1) / p.block_size;
+    for (int b = threadIdx.x; b <= last_block - first_block; b += blockDim.x)  // the table, once per block
+      tile_blocks[b] = block_tables[seq * p.table_stride + first_block + b];
+    __syncthreads();
+    pa_load_tile<typename CacheType<KV, T>::type, KV, HD>(ks, vs, key_cache, value_cache, tile_blocks, first_block,
+                                                          base, n, kv_head, ks_scale, vs_scale, p);
+    __syncthreads();
+    for (int i = threadIdx.x; i < nrows * n; i += blockDim.x) {  // scores of visible (row, key) pairs
+      const int r = i / n, j = i - r * n, key = base + j;
+      float s = neg_inf();
+      if (key >= rows[r].lo && key <= rows[r].hi) {
+        const float* qr = qs + r * HD;
+        const float* kr = ks + j * PaSmem<HD>::K_STRIDE;
+        float dot = 0.0f;
+        for (int d = 0; d < p.head_size; ++d) dot += qr[d] * kr[d];
+        s = dot * p.scale;
+        if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
+        s -= rows[r].slope * fabsf(float(key - (seq_len - q_len + (row0 + r) / group)));
+      }
+      ps[r * PA_TILE + j] = s;
+    }
+    __syncthreads();
+    for (int r = warp; r < nrows; r += PA_THREADS / 32) {  // online softmax, one warp per row
+      const float s = lane < n ? ps[r * PA_TILE + lane] : neg_inf();
+      float mx = s;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_old = row_m[r];
+      const float m_new = fmaxf(m_old, mx);
+      const float e = s == neg_inf() ? 0.0f : expf(s - m_new);
+      float sum = e;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (lane < n) ps[r * PA_TILE + lane] = e;
+      __syncwarp();
+      if (lane == 0) {
+        const float alpha = m_old == neg_inf() ? 0.0f : expf(m_old - m_new);
+        row_alpha[r] = alpha;
+        row_l[r] = row_l[r] * alpha + sum;
+        row_m[r] = m_new;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < ROWS; ++k) {  // acc = acc * alpha + P V over each row's visible keys only
+      const int r = my_rg + k * RG;
+      if (r >= nrows) continue;
+      const float alpha = row_alpha[r];
+      const int j0 = max(rows[r].lo - base, 0), j1 = min(rows[r].hi - base, n - 1);
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) {
+        const int d = my_col + c * PA_THREADS;
+        float a = acc[k][c] * alpha;
+        for (int j = j0; j <= j1; ++j) a += ps[r * PA_TILE + j] * vs[j * HD + d];
+        acc[k][c] = a;
+      }
+    }
+    __syncthreads();
+  }
+
+  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
+#pragma unroll
+  for (int k = 0; k < ROWS; ++k) {
+    const int r = my_rg + k * RG;
+    if (r >= nrows) continue;
+    const PaRow row = rows[r];
+    const float m = row_m[r], l = row_l[r];
+    const long long th = (long long)row.token * p.num_heads + row.head;
+    if (partial) {
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) {
+        const int d = my_col + c * PA_THREADS;
+        if (d < p.head_size) tmp_output[(th * p.max_splits + split) * p.head_size + d] = from_float<T>(acc[k][c] * inv);
+      }
+      if (my_col == 0) {
+        max_logits[th * p.max_splits + split] = m;
+        exp_sums[th * p.max_splits + split] = l;
+      }
+    }
+    if (num_splits == 1) {  // the whole context was this CTA's: finish the row here
+      const float mx = fmaxf(m, row.sink);
+      const float w = l > 0.0f ? expf(m - mx) : 0.0f;
+      const float total = l * w + (row.sink == neg_inf() ? 0.0f : expf(row.sink - mx));
+      const float f = total > 0.0f ? w / total : 0.0f;
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) {
+        const int d = my_col + c * PA_THREADS;
+        if (d < p.head_size)
+          out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(acc[k][c] * f);
+      }
+      if (lse && my_col == 0) lse[(long long)row.head * p.num_tokens + row.token] = total > 0.0f ? mx + logf(total) : neg_inf();
+    }
+  }
+}
+
+template <class T, int HD>
+__global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
+    T* __restrict__ out,                     // [num_tokens, num_heads, head_size]
+    float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
+    const float* __restrict__ max_logits,    // [num_tokens, num_heads, max_splits]
+    const float* __restrict__ exp_sums,      // [num_tokens, num_heads, max_splits]
+    const T* __restrict__ tmp_output,        // [num_tokens, num_heads, max_splits, head_size]
+    const int* __restrict__ seq_lens,        // [num_seqs]
+    const int* __restrict__ query_start_loc, // [num_seqs + 1] or nullptr
+    const float* __restrict__ sinks,         // [num_heads] or nullptr
+    PaParams p, int num_seqs) {
+  const int token = blockIdx.x, head = blockIdx.y;
+  int seq = token;
+  if (query_start_loc) {  // the sequence holding this token: last s with query_start_loc[s] <= token
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (query_start_loc[mid] <= token) lo = mid; else hi = mid - 1;
+    }
+    seq = lo;
+    if (token >= query_start_loc[num_seqs]) return;
+  }
+  const int num_splits = max(1, (seq_lens[seq] + p.kv_split_size - 1) / p.kv_split_size);
+  if (num_splits <= 1) return;  // finished by the main kernel
+  const long long th = (long long)token * p.num_heads + head;
+  const float* m = max_logits + th * p.max_splits;
+  const float* l = exp_sums + th * p.max_splits;
+  const float sink = sinks ? sinks[head] : neg_inf();
+  float mx = sink;
+  for (int s = 0; s < num_splits; ++s)
+    if (l[s] > 0.0f) mx = fmaxf(mx, m[s]);
+  float total = sink == neg_inf() ? 0.0f : expf(sink - mx);
+  for (int s = 0; s < num_splits; ++s)
+    if (l[s] > 0.0f) total += expf(m[s] - mx) * l[s];
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
+    float a = 0.0f;
+    for (int s = 0; s < num_splits; ++s)
+      if (l[s] > 0.0f) a += expf(m[s] - mx) * l[s] * to_float(tmp_output[(th * p.max_splits + s) * p.head_size + d]);
+    out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(a * inv);
+  }
+  if (lse && threadIdx.x == 0) lse[(long long)head * p.num_tokens + token] = total > 0.0f ? mx + logf(total) : neg_inf();
+}
+
+}  // namespace cupaged

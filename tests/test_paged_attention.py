@@ -1,0 +1,237 @@
+"""paged_attention against cupaged.reference.paged_attention, on the sim (and cuda with a GPU).
+
+Every case uses a shuffled block table whose entries past each sequence's last block are garbage
+(far outside the pool: a read of one faults on the sim), caches whose every unused slot is
+NaN-poisoned, and for single-query windowed cases the out-of-window positions poisoned too:
+masking is by selection, so any leak shows up as NaN. The default run is a covering set that
+touches every value of the issue's grid at least once; `-m slow` runs the full product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import reference
+from tests.conftest import TOLERANCES, assert_close
+
+F16, BF16, F32 = np.float16, ml_dtypes.bfloat16, np.float32
+SHAPE_MIXED = ((1, 1328), (5, 18), (129, 463))  # (query len, context len): decode + prefill chunks
+SHAPE_DECODE = ((1, 523), (1, 37), (1, 2011))
+
+
+@dataclasses.dataclass
+class Case:
+    heads: tuple = (8, 2)
+    head_size: int = 128
+    block_size: int = 16
+    seqs: tuple = SHAPE_MIXED
+    dtype: type = F16
+    layout: str = "NHD"
+    kv_cache_dtype: str = "auto"
+    causal: bool = True
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    alibi: bool = False
+    per_head_scales: bool = False
+    kv_split_size: int | None = None
+    decode: bool | None = None  # None: decode when every query length is 1
+
+    def id(self):
+        fields = [f"h{self.heads[0]}-{self.heads[1]}", f"d{self.head_size}", f"bs{self.block_size}",
+                  "x".join(f"{q}-{s}" for q, s in self.seqs), np.dtype(self.dtype).name, self.layout]
+        for name in ("kv_cache_dtype", "window", "softcap", "kv_split_size"):
+            value = getattr(self, name)
+            if value not in (None, "auto"):
+                fields.append(f"{name}={value}")
+        fields += [n for n in ("sinks", "alibi", "per_head_scales") if getattr(self, n)]
+        if not self.causal:
+            fields.append("noncausal")
+        return "-".join(fields)
+
+
+def build(case: Case, seed=0):
+    """Inputs of one case (numpy) and the reference's (out, lse)."""
+    rng = np.random.default_rng(seed)
+    num_heads, num_kv_heads = case.heads
+    d, bs = case.head_size, case.block_size
+    q_lens = [q for q, _ in case.seqs]
+    seq_lens = np.array([s for _, s in case.seqs], np.int32)
+    num_tokens = sum(q_lens)
+    need = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(need) + 7
+    width = max(need + [1]) + 3
+    ids = rng.permutation(num_blocks)
+    tables = rng.integers(num_blocks + 1000, 2**30, (len(seq_lens), width)).astype(np.int32)  # garbage past the end
+    # dense data, NaN everywhere no key lives: [num_blocks, block_size, kv_heads, d]
+    k_nhd = np.full((num_blocks, bs, num_kv_heads, d), np.nan, np.float32)
+    v_nhd = np.full_like(k_nhd, np.nan)
+    used = 0
+    for s, (n, seq_len) in enumerate(zip(need, seq_lens)):
+        tables[s, :n] = ids[used:used + n]
+        used += n
+        pos = np.arange(seq_len)
+        if case.window and q_lens[s] == 1:  # single-query window: keys before it are never needed
+            pos = pos[pos > seq_len - 1 - case.window]
+        blocks, offs = tables[s, pos // bs], pos % bs
+        k_nhd[blocks, offs] = rng.standard_normal((len(pos), num_kv_heads, d))
+        v_nhd[blocks, offs] = rng.standard_normal((len(pos), num_kv_heads, d))
+    q = (rng.standard_normal((num_tokens, num_heads, d)) * 0.6).astype(case.dtype)
+    k_scale = v_scale = 1.0
+    if case.kv_cache_dtype == "auto":
+        kc, vc = k_nhd.astype(case.dtype), v_nhd.astype(case.dtype)
+    else:
+        amax = lambda x: np.nanmax(np.abs(x), axis=(0, 1, 3)) if case.per_head_scales else np.nanmax(np.abs(x))  # noqa: E731
+        k_scale = (amax(k_nhd) / 64).astype(np.float32)
+        v_scale = (amax(v_nhd) / 64).astype(np.float32)
+        if not case.per_head_scales:
+            k_scale, v_scale = float(k_scale), float(v_scale)
+        per_head = lambda s: np.asarray(s, np.float32).reshape(-1)[:, None]  # noqa: E731
+        kc = reference.quantize_fp8(k_nhd, per_head(k_scale), case.kv_cache_dtype)
+        vc = reference.quantize_fp8(v_nhd, per_head(v_scale), case.kv_cache_dtype)
+        kc[np.isnan(k_nhd)] = 0xFF  # keep the poison: 0xFF is NaN in e4m3 and e5m2
+        vc[np.isnan(v_nhd)] = 0xFF
+    if case.layout == "HND":
+        kc, vc = np.ascontiguousarray(kc.transpose(0, 2, 1, 3)), np.ascontiguousarray(vc.transpose(0, 2, 1, 3))
+    decode = case.decode if case.decode is not None else all(q == 1 for q in q_lens)
+    qsl = None if decode else np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    sinks = rng.uniform(-1, 3, num_heads).astype(np.float32) if case.sinks else None
+    alibi = (2.0 ** -np.arange(1, num_heads + 1) * 4).astype(np.float32) if case.alibi else None
+    inputs = dict(q=q, key_cache=kc, value_cache=vc, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl)
+    options = dict(causal=case.causal, sliding_window=case.window, sinks=sinks, alibi_slopes=alibi,
+                   softcap=case.softcap, kv_cache_dtype=case.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                   layout=case.layout)
+    return inputs, options, reference.paged_attention(**inputs, **options)
+
+
+def run(backend, case: Case, seed=0, **extra):
+    inputs, options, (ref_out, ref_lse) = build(case, seed)
+    args = {k: (None if v is None else backend.asarray(v)) for k, v in inputs.items()}
+    for k in ("sinks", "alibi_slopes"):
+        if options[k] is not None:
+            options[k] = backend.asarray(options[k])
+    out, lse = cupaged.paged_attention(**args, **options, kv_split_size=case.kv_split_size, return_lse=True, **extra)
+    return backend.to_numpy(out), backend.to_numpy(lse), ref_out, ref_lse
+
+
+def check(backend, case: Case, seed=0, **extra):
+    out, lse, ref_out, ref_lse = run(backend, case, seed, **extra)
+    tol_key = "fp8" if case.kv_cache_dtype != "auto" and TOLERANCES["fp8"] > TOLERANCES[np.dtype(case.dtype)] \
+        else case.dtype
+    assert_close(out, ref_out, tol_key, "out")
+    assert_close(lse, ref_lse, "lse", "lse")
+    return out, lse
+
+
+C = Case
+SMALL = ((1, 1), (1, 15), (1, 16), (1, 17), (3, 17), (16, 16))  # seq_len 1, block_size -1 / = / +1
+COVERING = [
+    # dtypes x layouts on the mixed prefill + decode shape
+    *(C(dtype=dt, layout=lay) for dt in (F16, BF16, F32) for lay in ("NHD", "HND")),
+    # head counts (large ones only with short shapes)
+    C(heads=(4, 4), head_size=64, block_size=5, seqs=SMALL),
+    C(heads=(5, 1), head_size=80, block_size=5, seqs=SMALL, dtype=BF16),
+    C(heads=(40, 40), head_size=64, block_size=16, seqs=((1, 40), (7, 30))),
+    C(heads=(64, 8), head_size=128, block_size=32, seqs=((1, 70), (4, 33)), dtype=BF16),
+    C(heads=(64, 8), head_size=64, block_size=16, seqs=((1, 100),) * 3),
+    # head sizes and block sizes
+    *(C(heads=(4, 2), head_size=hs, block_size=bs, seqs=SHAPE_DECODE if hs <= 80 else SMALL)
+      for hs, bs in ((32, 1), (64, 5), (80, 16), (256, 32), (256, 5))),
+    C(heads=(4, 4), head_size=32, block_size=1, seqs=((1, 1), (2, 2), (9, 40))),
+    # decode shapes
+    C(seqs=SHAPE_DECODE), C(seqs=SHAPE_DECODE, layout="HND", dtype=F32),
+    C(seqs=SHAPE_DECODE, dtype=BF16, kv_split_size=256),
+    # masks: window, softcap, sinks, ALiBi, non-causal
+    C(seqs=SHAPE_DECODE, window=64), C(seqs=SHAPE_DECODE, window=256, dtype=BF16, layout="HND"),
+    C(window=64), C(window=256, dtype=F32, block_size=5, heads=(4, 1)),
+    C(softcap=50.0), C(softcap=50.0, seqs=SHAPE_DECODE, dtype=F32),
+    C(sinks=True), C(sinks=True, window=64, seqs=SHAPE_DECODE), C(sinks=True, window=256, heads=(4, 2)),
+    C(alibi=True), C(alibi=True, seqs=SHAPE_DECODE, dtype=F32),
+    C(causal=False, seqs=((1, 40), (6, 50), (33, 33))), C(causal=False, alibi=True, seqs=((4, 30), (1, 9))),
+    C(softcap=50.0, sinks=True, alibi=True, window=256, dtype=BF16),
+    # fp8 caches, per-tensor and per-head scales
+    C(kv_cache_dtype="fp8"), C(kv_cache_dtype="fp8_e4m3", layout="HND", seqs=SHAPE_DECODE),
+    C(kv_cache_dtype="fp8_e5m2", dtype=BF16), C(kv_cache_dtype="fp8", per_head_scales=True, seqs=SHAPE_DECODE),
+    C(kv_cache_dtype="fp8_e5m2", per_head_scales=True, head_size=80, block_size=5, seqs=SMALL, dtype=F32),
+    C(kv_cache_dtype="fp8", head_size=40, heads=(4, 2), seqs=SMALL),  # head size not a multiple of 16
+    # split-KV
+    C(kv_split_size=64), C(kv_split_size=100, sinks=True), C(kv_split_size=1000, seqs=SHAPE_DECODE),
+    C(kv_split_size=32, window=64, seqs=SHAPE_DECODE, sinks=True), C(kv_split_size=1, seqs=((1, 5), (3, 7))),
+]
+
+
+@pytest.mark.parametrize("case", COVERING, ids=[c.id() for c in COVERING])
+def test_covering_set(backend, case):
+    check(backend, case)
+
+
+def test_padded_decode_slots_and_empty_rows(backend):
+    """seq_len 0 (padded decode slot): out 0, LSE -inf; with sinks: out 0, LSE = the sink logit."""
+    for sinks in (False, True):
+        case = C(seqs=((1, 0), (1, 20), (1, 0)), sinks=sinks, heads=(4, 2), head_size=64)
+        out, lse = check(backend, case)
+        assert np.all(out[[0, 2]] == 0)
+        inputs, options, _ = build(case)
+        want = np.broadcast_to(options["sinks"][:, None], (4, 2)) if sinks else np.full((4, 2), -np.inf)
+        assert np.array_equal(lse[:, [0, 2]], want)
+
+
+@pytest.mark.parametrize("split", [None, 64, 512])
+def test_batch_invariance(backend, split):
+    """For a fixed kv_split_size a sequence's output is bitwise the same alone and inside a batch."""
+    alone = C(seqs=((1, 700),), kv_split_size=split or 300, heads=(8, 2))
+    batch = C(seqs=((3, 50), (1, 700), (1, 2000)), kv_split_size=split or 300, heads=(8, 2), decode=False)
+    out_a, lse_a, *_ = run(backend, alone, seed=1)
+    inputs, options, _ = build(batch, seed=1)
+    solo, _, _ = build(alone, seed=1)
+    # put the lone sequence's data at token 3 / sequence 1 of the batch
+    for name in ("q",):
+        inputs[name][3] = solo[name][0]
+    kc, vc = inputs["key_cache"], inputs["value_cache"]
+    s_tab = solo["block_tables"][0]
+    n = -(-700 // 16)
+    kc[inputs["block_tables"][1, :n]] = solo["key_cache"][s_tab[:n]]
+    vc[inputs["block_tables"][1, :n]] = solo["value_cache"][s_tab[:n]]
+    args = {k: (None if v is None else backend.asarray(v)) for k, v in inputs.items()}
+    out_b, lse_b = cupaged.paged_attention(**args, **options, kv_split_size=split or 300, return_lse=True)
+    assert np.array_equal(backend.to_numpy(out_b)[3].view(np.uint16), out_a[0].view(np.uint16))
+    assert np.array_equal(backend.to_numpy(lse_b)[:, 3], lse_a[:, 0])
+
+
+def test_split_and_no_split_agree(backend):
+    case = C(seqs=SHAPE_DECODE, heads=(4, 1), head_size=64)
+    outs = [run(backend, dataclasses.replace(case, kv_split_size=s))[:2] for s in (None, 64, 300, 4096)]
+    for out, lse in outs[1:]:
+        assert_close(out, outs[0][0].astype(np.float64), F16, "out")
+        assert_close(lse, outs[0][1], "lse", "lse")
+
+
+def test_hints_and_caller_buffers(backend):
+    """max_query_len / max_seq_len hints, a caller workspace and out buffer give the same result."""
+    case = C(seqs=((1, 300), (7, 90)), heads=(4, 2), head_size=64, kv_split_size=64)
+    inputs, options, (ref_out, _) = build(case)
+    args = {k: (None if v is None else backend.asarray(v)) for k, v in inputs.items()}
+    out = backend.asarray(np.full((8, 4, 64), np.nan, F16))
+    ws = backend.asarray(np.zeros(1 << 20, np.uint8))
+    got = cupaged.paged_attention(**args, **options, kv_split_size=64, max_query_len=7, max_seq_len=300,
+                                  workspace=ws, out=out)
+    assert got is out
+    assert_close(backend.to_numpy(out), ref_out, F16)
+    with pytest.raises(ValueError, match="workspace"):
+        cupaged.paged_attention(**args, **options, kv_split_size=64, workspace=ws[:100])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    C(heads=h, head_size=hs, block_size=bs, dtype=dt, seqs=SMALL)
+    for h, hs, bs, dt in itertools.product(((4, 4), (8, 2), (5, 1), (40, 40), (64, 8)),
+                                           (32, 64, 80, 96, 112, 120, 128, 192, 256), (1, 5, 16, 32), (F16, BF16, F32))
+], ids=lambda c: c.id())
+def test_full_grid(backend, case):
+    check(backend, case)
