@@ -235,3 +235,65 @@ def test_hints_and_caller_buffers(backend):
 ], ids=lambda c: c.id())
 def test_full_grid(backend, case):
     check(backend, case)
+
+
+def _valid(backend):
+    inputs, options, _ = build(C(seqs=((1, 40), (3, 20)), heads=(4, 2), head_size=64))
+    args = {k: backend.asarray(v) for k, v in inputs.items()}
+    return args
+
+
+BAD_INPUTS = {
+    "q dtype": (lambda a: {"q": a["q"].astype(np.float64)}, TypeError, "q"),
+    "q ndim": (lambda a: {"q": a["q"][0]}, ValueError, "q"),
+    "q head_size 264": (lambda a: {"q": a["q"][:, :, :1].repeat(264, axis=2)}, NotImplementedError, "head_size"),
+    "heads not a multiple": (lambda a: {"q": a["q"][:, :3]}, ValueError, "num_kv_heads"),
+    "key_cache dtype": (lambda a: {"key_cache": a["key_cache"].astype(np.float32)}, TypeError, "key_cache"),
+    "value_cache shape": (lambda a: {"value_cache": a["value_cache"][:2]}, ValueError, "value_cache"),
+    "key_cache head_size": (lambda a: {"key_cache": a["key_cache"][..., :32]}, ValueError, "head_size"),
+    "layout": (lambda a: {"layout": "vllm"}, ValueError, "layout"),
+    "block_tables dtype": (lambda a: {"block_tables": a["block_tables"].astype(np.int64)}, TypeError, "block_tables"),
+    "block_tables rows": (lambda a: {"block_tables": a["block_tables"][:1]}, ValueError, "block_tables"),
+    "seq_lens dtype": (lambda a: {"seq_lens": a["seq_lens"].astype(np.float32)}, TypeError, "seq_lens"),
+    "query_start_loc length": (lambda a: {"query_start_loc": a["query_start_loc"][:2]}, ValueError, "query_start_loc"),
+    "decode token count": (lambda a: {"query_start_loc": None}, ValueError, "num_tokens"),
+    "window without causal": (lambda a: {"sliding_window": 8, "causal": False}, ValueError, "sliding_window"),
+    "negative window": (lambda a: {"sliding_window": -1}, ValueError, "sliding_window"),
+    "softcap": (lambda a: {"softcap": -1.0}, ValueError, "softcap"),
+    "sinks dtype": (lambda a: {"sinks": np.zeros(4)}, TypeError, "sinks"),
+    "sinks shape": (lambda a: {"sinks": np.zeros(2, np.float32)}, ValueError, "sinks"),
+    "alibi shape": (lambda a: {"alibi_slopes": np.zeros((4, 1), np.float32)}, ValueError, "alibi_slopes"),
+    "kv_cache_dtype": (lambda a: {"kv_cache_dtype": "int4"}, ValueError, "kv_cache_dtype"),
+    "fp8 with float caches": (lambda a: {"kv_cache_dtype": "fp8"}, TypeError, "key_cache"),
+    "kv_split_size": (lambda a: {"kv_split_size": 0}, ValueError, "kv_split_size"),
+    "out dtype": (lambda a: {"out": np.zeros(a["q"].shape, np.float32)}, TypeError, "out"),
+    "out shape": (lambda a: {"out": np.zeros((1, 4, 64), np.float16)}, ValueError, "out"),
+    "list for q": (lambda a: {"q": [[1.0]]}, TypeError, "q"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_raises_before_launch(backend, case):
+    change, exc, name = BAD_INPUTS[case]
+    args = _valid(backend)
+    kwargs = {**args, **change(args)}
+    if backend.name != "sim":
+        kwargs = {k: backend.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    with pytest.raises(exc, match=name):
+        cupaged.paged_attention(**kwargs)
+
+
+def test_validate_checks_contents(backend, monkeypatch):
+    args = _valid(backend)
+    lens = backend.to_numpy(args["seq_lens"]).copy()
+    for bad_lens, match in (([40, 2], "q_len <= seq_len"), ([40, 10**4], "blocks")):
+        args["seq_lens"] = backend.asarray(np.array(bad_lens, np.int32))
+        with pytest.raises(ValueError, match=match):
+            cupaged.paged_attention(**args, validate=True)
+    args["seq_lens"] = backend.asarray(lens)
+    table = backend.to_numpy(args["block_tables"]).copy()
+    table[0, 0] = 10**6
+    args["block_tables"] = backend.asarray(table)
+    monkeypatch.setenv("CUPAGED_VALIDATE", "1")
+    with pytest.raises(ValueError, match=r"block_tables\[0\]"):
+        cupaged.paged_attention(**args)
