@@ -14,6 +14,9 @@ import ml_dtypes
 import numpy as np
 
 from cupaged import reference
+from cupaged.paged_attention import paged_attention
+from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
+from cupaged.tolerances import TOLERANCES, tolerance
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
 
@@ -120,6 +123,76 @@ def _copy_and_cp_gather(asarray, rng):
     return _max_err([(got[0], ref_k[0]), (got[1], ref_v[0]), (dst, ref_dst)]), 0.0
 
 
+def _paged_pool(rng, seqs, heads, head_size, block_size, dtype, kv_cache_dtype):
+    """Random NHD caches holding each sequence's keys, a shuffled block table, q and the scales."""
+    num_heads, num_kv_heads = heads
+    need = [-(-s // block_size) for _, s in seqs]
+    num_blocks = sum(need) + 3
+    ids = rng.permutation(num_blocks)
+    table = np.zeros((len(seqs), max(need) + 1), np.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = ids[used:used + n]
+        used += n
+    k = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_size)).astype(np.float32)
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    scale = 0.05
+    if kv_cache_dtype == "auto":
+        k, v = k.astype(dtype), v.astype(dtype)
+    else:
+        k, v = (reference.quantize_fp8(x, scale, kv_cache_dtype) for x in (k, v))
+    q = rng.standard_normal((sum(ql for ql, _ in seqs), num_heads, head_size)).astype(dtype)
+    seq_lens = np.array([s for _, s in seqs], np.int32)
+    return q, k, v, table, seq_lens, scale
+
+
+def _bounded(pairs, tol):
+    """(max |got - ref|, atol + rtol * max |ref|) over (got, ref) pairs."""
+    atol, rtol = tol
+    err = _max_err(pairs)
+    return err, atol + rtol * max(float(np.abs(np.asarray(r, np.float64)).max(initial=0.0)) for _, r in pairs)
+
+
+def _attention(dtype, kv_cache_dtype="auto", **options):
+    def case(asarray, rng):
+        seqs = ((1, 300), (6, 40), (20, 20))
+        q, k, v, table, seq_lens, scale = _paged_pool(rng, seqs, (8, 2), 80, 16, dtype, kv_cache_dtype)
+        qsl = np.array([0, 1, 7, 27], np.int32)
+        opts = dict(options)
+        split = opts.pop("kv_split_size", None)
+        if opts.pop("sinks", False):
+            opts["sinks"] = rng.uniform(0, 2, 8).astype(np.float32)
+        dev_opts = {k: asarray(x) if isinstance(x, np.ndarray) else x for k, x in opts.items()}
+        out, lse = paged_attention(asarray(q), asarray(k), asarray(v), asarray(table), asarray(seq_lens), asarray(qsl),
+                                   kv_cache_dtype=kv_cache_dtype, k_scale=scale, v_scale=scale, return_lse=True,
+                                   kv_split_size=split, **dev_opts)
+        ref_out, ref_lse = reference.paged_attention(q, k, v, table, seq_lens, qsl, kv_cache_dtype=kv_cache_dtype,
+                                                     k_scale=scale, v_scale=scale, **opts)
+        err, tol = _bounded([(out, ref_out)], tolerance(dtype, kv_cache_dtype))
+        lse_err, lse_tol = _bounded([(lse, ref_lse)], TOLERANCES["lse"])
+        return (err, tol) if err / tol >= lse_err / lse_tol else (lse_err, lse_tol)
+    return case
+
+
+def _vllm_attention(version):
+    def case(asarray, rng):
+        seqs = ((1, 700), (1, 33), (1, 1))
+        q, k, v, table, seq_lens, _ = _paged_pool(rng, seqs, (8, 2), 64, 16, np.float16, "auto")
+        nb, bs, h, d = k.shape
+        kv = np.ascontiguousarray(k.reshape(nb, bs, h, d // 8, 8).transpose(0, 2, 3, 1, 4))
+        vv = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+        out = asarray(np.zeros(q.shape, np.float16))
+        args = (asarray(q), asarray(kv), asarray(vv), 2, 0.125, asarray(table), asarray(seq_lens), 16, 700, None)
+        if version == 1:
+            paged_attention_v1(out, *args)
+        else:
+            parts = [asarray(np.zeros((3, 8, 2), np.float32)) for _ in range(2)]
+            paged_attention_v2(out, *parts, asarray(np.zeros((3, 8, 2, 64), np.float16)), *args)
+        ref = reference.paged_attention_v1(q, kv, vv, 2, 0.125, table, seq_lens)
+        return _bounded([(out, ref)], TOLERANCES[np.dtype(np.float16)])
+    return case
+
+
 _DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
 CASES = {
     **{f"reshape_and_cache_flash {np.dtype(dt).name} {layout}": _flash(dt, layout)
@@ -130,6 +203,13 @@ CASES = {
     **{f"concat_and_cache_mla + gather {np.dtype(dt).name} {kv}": _mla_write_and_gather(dt, kv)
        for dt in (np.float16, ml_dtypes.bfloat16) for kv in ("auto", "fp8")},
     "copy_blocks + cp_gather_cache float16": _copy_and_cp_gather,
+    **{f"paged_attention {np.dtype(dt).name}": _attention(dt) for dt in _DTYPES},
+    "paged_attention bfloat16 window+sinks+softcap": _attention(ml_dtypes.bfloat16, sliding_window=16, sinks=True,
+                                                                softcap=30.0),
+    "paged_attention float16 fp8 split-KV ALiBi": _attention(np.float16, "fp8", kv_split_size=64,
+                                                             alibi_slopes=np.linspace(0.1, 0.8, 8, dtype=np.float32)),
+    "paged_attention_v1 float16": _vllm_attention(1),
+    "paged_attention_v2 float16": _vllm_attention(2),
 }
 
 

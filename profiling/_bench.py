@@ -67,8 +67,8 @@ def time_cpu(fn, reps=3):
     return np.array(times)
 
 
-def print_table(rows, title):
-    head = ("config", "version", "median µs", "p20–p80 µs", "GB/s", "% of peak")
+def print_table(rows, title, extra=()):
+    head = ("config", "version", "median µs", "p20–p80 µs", "GB/s", "% of peak", *extra)
     rows = [tuple(str(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     print(title)
