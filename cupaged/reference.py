@@ -14,7 +14,7 @@ import numpy as np
 __all__ = ["quantize_fp8", "dequantize_fp8", "reshape_and_cache_flash", "reshape_and_cache",
            "concat_and_cache_mla", "gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks",
            "swap_blocks", "dense_kv", "attention_rows", "paged_attention", "paged_attention_v1",
-           "paged_attention_v2_partitions"]
+           "paged_attention_v2_partitions", "merge_attn_states", "varlen_attention", "mla_decode"]
 
 FP8 = {"fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
 
@@ -258,3 +258,63 @@ def paged_attention_v2_partitions(query, key_cache, value_cache, scale, block_ta
                 max_logits[s, h, p], exp_sums[s, h, p] = m, w.sum()
                 tmp[s, h, p] = w @ v[lo:hi, h // group] / w.sum()
     return exp_sums, max_logits, tmp
+
+
+def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, prefill_tokens_with_context=None):
+    """vLLM's merge of two partial attention states (outputs [num_tokens, num_heads, head_size],
+    LSEs [num_heads, num_tokens]) -> (output float64, output_lse float64). A +inf LSE counts as -inf;
+    both sides -inf: the prefix output and -inf; tokens at or past prefill_tokens_with_context take
+    the suffix verbatim."""
+    po, so = np.asarray(prefix_output, np.float64), np.asarray(suffix_output, np.float64)
+    pl, sl = np.asarray(prefix_lse, np.float64).T, np.asarray(suffix_lse, np.float64).T  # [tokens, heads]
+    pl = np.where(np.isposinf(pl), -np.inf, pl)
+    sl = np.where(np.isposinf(sl), -np.inf, sl)
+    mx = np.maximum(pl, sl)
+    both_empty = np.isneginf(mx)
+    mx_safe = np.where(both_empty, 0.0, mx)
+    pw, sw = np.exp(pl - mx_safe), np.exp(sl - mx_safe)
+    total = np.where(both_empty, 1.0, pw + sw)
+    out = (po * (pw / total)[..., None] + so * (sw / total)[..., None])
+    out = np.where(both_empty[..., None], po, out)
+    lse = np.where(both_empty, -np.inf, mx_safe + np.log(total))
+    n = po.shape[0] if prefill_tokens_with_context is None else int(prefill_tokens_with_context)
+    out[n:], lse[n:] = so[n:], np.asarray(suffix_lse, np.float64).T[n:]
+    return out, lse.T
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=True):
+    """FlashAttention varlen semantics (bottom-right causal alignment): (out float64 [total_q,
+    num_heads, v_head_size], lse float64 [num_heads, total_q])."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    total_q, num_heads, _ = q.shape
+    scale = 1.0 / np.sqrt(q.shape[2]) if scale is None else scale
+    cq, ck = np.asarray(cu_seqlens_q).astype(np.int64), np.asarray(cu_seqlens_k).astype(np.int64)
+    out = np.zeros((total_q, num_heads, v.shape[2]))
+    lse = np.full((num_heads, total_q), -np.inf)
+    group = num_heads // k.shape[1]
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        positions = (k1 - k0) - (q1 - q0) + np.arange(q1 - q0)
+        for h in range(num_heads):
+            o, l = attention_rows(q[q0:q1, h], k[k0:k1, h // group], v[k0:k1, h // group], positions, scale=scale,
+                                  causal=causal)
+            out[q0:q1, h], lse[h, q0:q1] = o, l
+    return out, lse
+
+
+def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale, kv_cache_dtype="auto", k_scale=1.0):
+    """MLA decode over the latent cache [num_blocks, block_size, kv_lora_rank + rope_dim]: K is the
+    whole latent row, V its first kv_lora_rank entries. (out float64 [num_seqs, num_heads,
+    kv_lora_rank], lse float64 [num_heads, num_seqs])."""
+    q = np.asarray(q)
+    num_seqs, num_heads, _ = q.shape
+    out = np.zeros((num_seqs, num_heads, kv_lora_rank))
+    lse = np.full((num_heads, num_seqs), -np.inf)
+    cache = np.asarray(kv_cache)
+    for s, seq_len in enumerate(np.asarray(seq_lens).astype(np.int64)):
+        k, _ = dense_kv(cache[:, :, None, :], cache[:, :, None, :], np.asarray(block_tables)[s], seq_len,
+                        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=k_scale)
+        k = k[:, 0]
+        o, l = attention_rows(q[s], k, k[:, :kv_lora_rank], np.full(num_heads, seq_len - 1), scale=scale)
+        out[s], lse[:, s] = o, l
+    return out, lse
