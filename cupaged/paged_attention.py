@@ -24,28 +24,31 @@ PARAMS = np.dtype([(n, np.int64) for n in (
     "k_chunk_stride", "k_page_stride", "v_block_stride", "v_head_stride", "v_page_stride", "v_dim_stride",
     "table_stride")] + [(n, np.float32) for n in ("scale", "softcap", "k_scale_value", "v_scale_value")] + [
     (n, np.int32) for n in ("scale_per_head", "causal", "window", "always_partials", "num_tokens", "num_heads",
-                            "num_kv_heads", "head_size", "block_size", "kv_split_size", "max_splits", "vec_k",
-                            "vec_v")], align=True)  # struct PaParams
+                            "num_kv_heads", "head_size", "v_head_size", "block_size", "kv_split_size",
+                            "max_splits", "tiles", "vec_k", "vec_v")], align=True)  # struct PaParams
+MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
 
 
-def _main(t, kv, hd):
-    return f"cupaged::paged_attention_kernel<{t}, {kv}, {hd}>"
+def _main(t, kv, hd, vhd, shared):
+    return f"cupaged::paged_attention_kernel<{t}, {kv}, {hd}, {vhd}, {'true' if shared else 'false'}>"
 
 
-def _reduce(t, hd):
-    return f"cupaged::paged_attention_reduce_kernel<{t}, {hd}>"
+def _reduce(t):
+    return f"cupaged::paged_attention_reduce_kernel<{t}>"
 
 
 _TYPES = ("float", "__half", "__nv_bfloat16")
 FAMILY = KernelFamily("paged_attention", [
-    *(_main(t, kv, hd) for t in _TYPES for kv in (0, 1, 2) for hd in HEAD_BUCKETS),
-    *(_reduce(t, hd) for t in _TYPES for hd in HEAD_BUCKETS),
+    *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in (0, 1, 2) for hd in HEAD_BUCKETS),
+    *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in (0, 1, 2)),
+    *(_reduce(t) for t in _TYPES),
 ])
 
 
-def smem_bytes(hd: int) -> int:
-    """Dynamic shared memory of the main kernel (PaSmem<HD>::FLOATS floats)."""
-    return 4 * (ROWS * hd + TILE * (hd + 1) + TILE * hd + ROWS * TILE + 3 * ROWS)
+def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
+    """Dynamic shared memory of the main kernel (PaSmem<HD, VHD, SHARED_KV>::FLOATS floats)."""
+    kv = TILE * (hd + 1) + (0 if shared else TILE * vhd)
+    return 4 * (ROWS * hd + kv + ROWS * TILE + 3 * ROWS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,38 +71,47 @@ def choose_split(xp, ctas: int, max_kv: int) -> int:
 
 def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_start_loc, out, lse, *, scale,
            causal, window, sinks, alibi, softcap, kv_cache_dtype, k_scale, v_scale, kv_split_size, max_splits,
-           tiles, partials=None, always_partials=False):
-    """Launch the main kernel (and the split reduction). ``caches`` = the key/value address strides."""
+           tiles, partials=None, always_partials=False, mla=False):
+    """Launch the main kernel (and the split reduction). ``caches``: the key/value address strides
+    (check_caches); ``block_tables=None`` is dense varlen mode with ``seq_lens`` = cu_seqlens_k;
+    ``mla``: values are the first out-width entries of the key rows."""
     num_tokens, num_heads, head_size = q.shape
-    num_seqs = seq_lens.shape[0]
-    hd = next(b for b in HEAD_BUCKETS if b >= head_size)
+    v_head_size = out.shape[2]
+    num_seqs = seq_lens.shape[0] - (1 if block_tables is None else 0)
+    if mla:
+        hd, vhd = MLA_BUCKET
+    else:
+        hd = vhd = next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size))
     k_ptr, v_ptr, ksv, vsv, per_head = _scale_pair(xp, kv_cache_dtype, k_scale, v_scale, caches["kv_heads"])
     p = np.zeros((), PARAMS)
     qs, os_ = element_strides("q", q), element_strides("out", out)
+    table_stride = 0 if block_tables is None else element_strides("block_tables", block_tables)[0]
     for name, value in dict(
             q_token_stride=qs[0], q_head_stride=qs[1], out_token_stride=os_[0], out_head_stride=os_[1],
-            table_stride=element_strides("block_tables", block_tables)[0], scale=scale, softcap=softcap or 0.0,
-            k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head, causal=int(causal), window=window,
-            always_partials=int(always_partials), num_tokens=num_tokens, num_heads=num_heads,
-            num_kv_heads=caches["kv_heads"], head_size=head_size, block_size=caches["block_size"],
-            kv_split_size=kv_split_size, max_splits=max_splits, vec_k=caches["vec_k"], vec_v=caches["vec_v"],
+            table_stride=table_stride, scale=scale, softcap=softcap or 0.0, k_scale_value=ksv, v_scale_value=vsv,
+            scale_per_head=per_head, causal=int(causal), window=window, always_partials=int(always_partials),
+            num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=caches["kv_heads"], head_size=head_size,
+            v_head_size=v_head_size, block_size=caches["block_size"], kv_split_size=kv_split_size,
+            max_splits=max_splits, tiles=tiles, vec_k=caches["vec_k"], vec_v=caches["vec_v"],
             **{k: v for k, v in caches.items() if k.startswith(("k_", "v_"))}).items():
         p[name] = value
     if partials is None and (max_splits > 1 or always_partials):
         partials = (xp.empty((num_tokens, num_heads, max_splits), np.float32),
                     xp.empty((num_tokens, num_heads, max_splits), np.float32),
-                    xp.empty((num_tokens, num_heads, max_splits, head_size), q.dtype))
+                    xp.empty((num_tokens, num_heads, max_splits, v_head_size), q.dtype))
     max_logits, exp_sums, tmp_output = partials or (None, None, None)
     t = CTYPE[q.dtype]
-    kernel = FAMILY.function(_main(t, KV_CODE[kv_cache_dtype], hd), xp)
-    kernel.max_dynamic_shared_size_bytes = smem_bytes(hd)
+    kernel = FAMILY.function(_main(t, KV_CODE[kv_cache_dtype], hd, vhd, mla), xp)
+    kernel.max_dynamic_shared_size_bytes = smem_bytes(hd, vhd, mla)
     grid = (tiles * max_splits, caches["kv_heads"], num_seqs)
     kernel(grid, (THREADS,), (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks, alibi, k_ptr,
-                              v_ptr, out, lse, max_logits, exp_sums, tmp_output, p[()]), shared_mem=smem_bytes(hd))
+                              v_ptr, out, lse, max_logits, exp_sums, tmp_output, p[()]),
+           shared_mem=smem_bytes(hd, vhd, mla))
     if max_splits > 1 and kv_split_size > 0:  # sequences with one split were finished above
-        reduce = FAMILY.function(_reduce(t, hd), xp)
+        reduce = FAMILY.function(_reduce(t), xp)
         reduce((num_tokens, num_heads), (THREADS,), (out, lse, max_logits, exp_sums, tmp_output, seq_lens,
-                                                      query_start_loc, sinks, p[()], np.int32(num_seqs)))
+                                                      np.int32(block_tables is None), query_start_loc, sinks, p[()],
+                                                      np.int32(num_seqs)))
 
 
 def _scale_pair(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):

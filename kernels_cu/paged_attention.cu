@@ -11,9 +11,14 @@
 // [num_blocks, num_kv_heads, head_size / X, block_size, X]; values are
 //   block * v_block_stride + head * v_head_stride + pos * v_page_stride + d * v_dim_stride
 // (flash: v_dim_stride = 1; vLLM [num_blocks, num_kv_heads, head_size, block_size]: v_page_stride = 1).
-//   q, out       [num_tokens, num_heads, head_size]  (any token stride)
+//   q            [num_tokens, num_heads, head_size]  (any token stride)
+//   out          [num_tokens, num_heads, v_head_size] (v_head_size = head_size except MLA / varlen 192-128)
 //   lse          [num_heads, num_tokens] float32, natural log
-//   max_logits, exp_sums [num_tokens, num_heads, max_splits] float32; tmp_output [..., head_size] (out's type)
+//   max_logits, exp_sums [num_tokens, num_heads, max_splits] float32; tmp_output [..., v_head_size] (out's type)
+// Dense varlen mode (block_tables == nullptr): key j of sequence b is row cu_seqlens_k[b] + j of a
+// [total_k, num_kv_heads, head_size] array (k_page_stride = its token stride) and the context length
+// is cu_seqlens_k[b + 1] - cu_seqlens_k[b]. MLA mode (SHARED_KV): the value of a key is the first
+// v_head_size entries of its latent row, so one shared-memory tile serves as both K and V.
 //
 // Versions:
 //   v1 paged_attention_kernel: one CTA per (kv head, sequence, tile of R query rows, KV split). The R
@@ -24,6 +29,8 @@
 //      times a loaded value. A sequence whose context fits one split writes out/LSE itself; otherwise
 //      each split writes (max, exp-sum relative to it, normalized output) and
 //   v1 paged_attention_reduce_kernel merges the splits of one (token, head), adding the sink once.
+//   Head tiles of one split are adjacent in the grid, so for MLA (one latent head shared by up to 128
+//   query heads, 16 per CTA) the CTAs reading the same cache bytes run together and share them in L2.
 //
 // Test:      pytest tests/test_paged_attention.py
 // Benchmark: python profiling/bench_paged_attention.py
@@ -38,13 +45,14 @@ constexpr int PA_TILE = 32;      // keys per shared-memory tile (one per lane in
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // Dynamic shared memory of a CTA, in floats.
-template <int HD>
+template <int HD, int VHD, bool SHARED_KV>
 struct PaSmem {
   static constexpr int K_STRIDE = HD + 1;  // padded: the score loop reads K rows across lanes
+  static constexpr int V_STRIDE = SHARED_KV ? K_STRIDE : VHD;
   static constexpr int Q = 0;
   static constexpr int K = Q + PA_ROWS * HD;
-  static constexpr int V = K + PA_TILE * K_STRIDE;
-  static constexpr int P = V + PA_TILE * HD;
+  static constexpr int V = SHARED_KV ? K : K + PA_TILE * K_STRIDE;
+  static constexpr int P = SHARED_KV ? K + PA_TILE * K_STRIDE : V + PA_TILE * VHD;
   static constexpr int ROW_M = P + PA_ROWS * PA_TILE;
   static constexpr int ROW_L = ROW_M + PA_ROWS;
   static constexpr int ROW_ALPHA = ROW_L + PA_ROWS;
@@ -64,79 +72,90 @@ struct PaParams {
   long long table_stride;
   float scale, softcap, k_scale_value, v_scale_value;
   int scale_per_head, causal, window, always_partials;
-  int num_tokens, num_heads, num_kv_heads, head_size, block_size, kv_split_size, max_splits;
+  int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits, tiles;
   int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
 };
 
-// Load keys/values base..base+n-1 of one kv head into shared memory as float32.
-template <class CacheT, int KV, int HD>
+// Load keys (and values unless SHARED_KV) base..base+n-1 of one kv head into shared memory as float32.
+// tile_blocks == nullptr: dense rows, key j at row key_row0 + j.
+template <class CacheT, int KV, int HD, int VHD, bool SHARED_KV>
 __device__ __forceinline__ void pa_load_tile(float* ks, float* vs, const CacheT* key_cache, const CacheT* value_cache,
                                              const int* tile_blocks, int first_block, int base, int n, int kv_head,
-                                             float k_scale, float v_scale, const PaParams& p) {
+                                             long long key_row0, float k_scale, float v_scale, const PaParams& p) {
+  typedef PaSmem<HD, VHD, SHARED_KV> S;
   constexpr int X = 16 / int(sizeof(CacheT));
-  const int chunks = (p.head_size + X - 1) / X;
+  const int dims = SHARED_KV ? p.head_size : max(p.head_size, p.v_head_size);
+  const int chunks = (dims + X - 1) / X;
   for (int i = threadIdx.x; i < n * chunks; i += blockDim.x) {
     const int j = i / chunks, c = i - j * chunks;
     const int pos = base + j;
-    const long long block = tile_blocks[pos / p.block_size - first_block];
-    const int off = pos % p.block_size;
+    const long long block = tile_blocks ? tile_blocks[pos / p.block_size - first_block] : 0;
+    const long long off = tile_blocks ? pos % p.block_size : key_row0 + pos;
     const int d0 = c * X;
-    const CacheT* kp = key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c * p.k_chunk_stride +
-                       off * p.k_page_stride;
-    const CacheT* vp = value_cache + block * p.v_block_stride + kv_head * p.v_head_stride + off * p.v_page_stride +
-                       d0 * p.v_dim_stride;
-    float* kd = ks + j * PaSmem<HD>::K_STRIDE + d0;
-    float* vd = vs + j * HD + d0;
-    if (p.vec_k && d0 + X <= p.head_size) {
-      const Vec<CacheT, X> kv = load_vec<CacheT, X>(kp);
+    if (d0 < p.head_size) {
+      const CacheT* kp = key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c * p.k_chunk_stride +
+                         off * p.k_page_stride;
+      float* kd = ks + j * S::K_STRIDE + d0;
+      if (p.vec_k && d0 + X <= p.head_size) {
+        const Vec<CacheT, X> kv = load_vec<CacheT, X>(kp);
 #pragma unroll
-      for (int e = 0; e < X; ++e) kd[e] = dequantize<KV, float>(kv.v[e], k_scale);
-    } else {
-      for (int e = 0; e < X && d0 + e < p.head_size; ++e) kd[e] = dequantize<KV, float>(kp[e], k_scale);
+        for (int e = 0; e < X; ++e) kd[e] = dequantize<KV, float>(kv.v[e], k_scale);
+      } else {
+        for (int e = 0; e < X && d0 + e < p.head_size; ++e) kd[e] = dequantize<KV, float>(kp[e], k_scale);
+      }
     }
-    if (p.vec_v && d0 + X <= p.head_size) {
-      const Vec<CacheT, X> vv = load_vec<CacheT, X>(vp);
+    if (!SHARED_KV && d0 < p.v_head_size) {
+      const CacheT* vp = value_cache + block * p.v_block_stride + kv_head * p.v_head_stride + off * p.v_page_stride +
+                         d0 * p.v_dim_stride;
+      float* vd = vs + j * S::V_STRIDE + d0;
+      if (p.vec_v && d0 + X <= p.v_head_size) {
+        const Vec<CacheT, X> vv = load_vec<CacheT, X>(vp);
 #pragma unroll
-      for (int e = 0; e < X; ++e) vd[e] = dequantize<KV, float>(vv.v[e], v_scale);
-    } else {
-      for (int e = 0; e < X && d0 + e < p.head_size; ++e) vd[e] = dequantize<KV, float>(vp[e * p.v_dim_stride], v_scale);
+        for (int e = 0; e < X; ++e) vd[e] = dequantize<KV, float>(vv.v[e], v_scale);
+      } else {
+        for (int e = 0; e < X && d0 + e < p.v_head_size; ++e)
+          vd[e] = dequantize<KV, float>(vp[e * p.v_dim_stride], v_scale);
+      }
     }
   }
 }
 
-template <class T, int KV, int HD>
+template <class T, int KV, int HD, int VHD, bool SHARED_KV>
 __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // see the layout note above
     const typename CacheType<KV, T>::type* __restrict__ value_cache,
-    const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq]
-    const int* __restrict__ seq_lens,        // [num_seqs]
+    const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq], or nullptr: dense varlen keys
+    const int* __restrict__ seq_lens,        // [num_seqs] context lengths, or cu_seqlens_k [num_seqs + 1] when dense
     const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
     const float* __restrict__ sinks,         // [num_heads] or nullptr
     const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale,       // [1] or [num_kv_heads], or nullptr: p.k_scale_value
     const float* __restrict__ v_scale,
-    T* __restrict__ out,                     // [num_tokens, num_heads, head_size]
+    T* __restrict__ out,                     // [num_tokens, num_heads, v_head_size]
     float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
     float* __restrict__ max_logits,          // [num_tokens, num_heads, max_splits] or nullptr (no split)
     float* __restrict__ exp_sums,            // [num_tokens, num_heads, max_splits]
-    T* __restrict__ tmp_output,              // [num_tokens, num_heads, max_splits, head_size]
+    T* __restrict__ tmp_output,              // [num_tokens, num_heads, max_splits, v_head_size]
     PaParams p) {
+  typedef PaSmem<HD, VHD, SHARED_KV> S;
   extern __shared__ float smem[];
   __shared__ PaRow rows[PA_ROWS];
   __shared__ int tile_blocks[PA_TILE + 1];
   __shared__ int span[2];
-  float* qs = smem + PaSmem<HD>::Q;
-  float* ks = smem + PaSmem<HD>::K;
-  float* vs = smem + PaSmem<HD>::V;
-  float* ps = smem + PaSmem<HD>::P;
-  float* row_m = smem + PaSmem<HD>::ROW_M;
-  float* row_l = smem + PaSmem<HD>::ROW_L;
-  float* row_alpha = smem + PaSmem<HD>::ROW_ALPHA;
+  float* qs = smem + S::Q;
+  float* ks = smem + S::K;
+  float* vs = smem + S::V;
+  float* ps = smem + S::P;
+  float* row_m = smem + S::ROW_M;
+  float* row_l = smem + S::ROW_L;
+  float* row_alpha = smem + S::ROW_ALPHA;
 
   const int kv_head = blockIdx.y, seq = blockIdx.z;
-  const int tile = blockIdx.x / p.max_splits, split = blockIdx.x % p.max_splits;
-  const int seq_len = seq_lens[seq];
+  const int tile = blockIdx.x % p.tiles, split = blockIdx.x / p.tiles;
+  const bool dense = block_tables == nullptr;
+  const long long key_row0 = dense ? seq_lens[seq] : 0;
+  const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
   const int q_start = query_start_loc ? query_start_loc[seq] : seq;
   const int q_len = query_start_loc ? query_start_loc[seq + 1] - q_start : 1;
   const int group = p.num_heads / p.num_kv_heads;
@@ -185,12 +204,12 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
   }
   __syncthreads();
 
-  // Each thread accumulates columns d of its rows: rows rg, rg + RG, ... and columns t, t + 128, ...
-  constexpr int COLS = HD >= PA_THREADS ? HD / PA_THREADS : 1;
-  constexpr int RG = HD >= PA_THREADS ? 1 : PA_THREADS / HD;
+  // Each thread accumulates output columns d of its rows: rows rg, rg + RG, ... and columns t, t + 128, ...
+  constexpr int COLS = VHD >= PA_THREADS ? VHD / PA_THREADS : 1;
+  constexpr int RG = VHD >= PA_THREADS ? 1 : PA_THREADS / VHD;
   constexpr int ROWS = PA_ROWS / RG;
-  const int my_rg = HD >= PA_THREADS ? 0 : threadIdx.x / HD;
-  const int my_col = HD >= PA_THREADS ? threadIdx.x : threadIdx.x % HD;
+  const int my_rg = VHD >= PA_THREADS ? 0 : threadIdx.x / VHD;
+  const int my_col = VHD >= PA_THREADS ? threadIdx.x : threadIdx.x % VHD;
   float acc[ROWS][COLS];
 #pragma unroll
   for (int k = 0; k < ROWS; ++k)
@@ -203,18 +222,19 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
   for (int base = span[0]; base <= span[1]; base += PA_TILE) {
     const int n = min(PA_TILE, span[1] - base + 1);
     const int first_block = base / p.block_size, last_block = (base + n - 1) / p.block_size;
-    for (int b = threadIdx.x; b <= last_block - first_block; b += blockDim.x)  // the table, once per block
+    for (int b = threadIdx.x; !dense && b <= last_block - first_block; b += blockDim.x)  // the table, once per block
       tile_blocks[b] = block_tables[seq * p.table_stride + first_block + b];
     __syncthreads();
-    pa_load_tile<typename CacheType<KV, T>::type, KV, HD>(ks, vs, key_cache, value_cache, tile_blocks, first_block,
-                                                          base, n, kv_head, ks_scale, vs_scale, p);
+    pa_load_tile<typename CacheType<KV, T>::type, KV, HD, VHD, SHARED_KV>(
+        ks, vs, key_cache, value_cache, dense ? nullptr : tile_blocks, first_block, base, n, kv_head, key_row0,
+        ks_scale, vs_scale, p);
     __syncthreads();
     for (int i = threadIdx.x; i < nrows * n; i += blockDim.x) {  // scores of visible (row, key) pairs
       const int r = i / n, j = i - r * n, key = base + j;
       float s = neg_inf();
       if (key >= rows[r].lo && key <= rows[r].hi) {
         const float* qr = qs + r * HD;
-        const float* kr = ks + j * PaSmem<HD>::K_STRIDE;
+        const float* kr = ks + j * S::K_STRIDE;
         float dot = 0.0f;
         for (int d = 0; d < p.head_size; ++d) dot += qr[d] * kr[d];
         s = dot * p.scale;
@@ -255,7 +275,7 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
       for (int c = 0; c < COLS; ++c) {
         const int d = my_col + c * PA_THREADS;
         float a = acc[k][c] * alpha;
-        for (int j = j0; j <= j1; ++j) a += ps[r * PA_TILE + j] * vs[j * HD + d];
+        for (int j = j0; j <= j1; ++j) a += ps[r * PA_TILE + j] * vs[j * S::V_STRIDE + d];
         acc[k][c] = a;
       }
     }
@@ -275,7 +295,8 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
 #pragma unroll
       for (int c = 0; c < COLS; ++c) {
         const int d = my_col + c * PA_THREADS;
-        if (d < p.head_size) tmp_output[(th * p.max_splits + split) * p.head_size + d] = from_float<T>(acc[k][c] * inv);
+        if (d < p.v_head_size)
+          tmp_output[(th * p.max_splits + split) * p.v_head_size + d] = from_float<T>(acc[k][c] * inv);
       }
       if (my_col == 0) {
         max_logits[th * p.max_splits + split] = m;
@@ -290,7 +311,7 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
 #pragma unroll
       for (int c = 0; c < COLS; ++c) {
         const int d = my_col + c * PA_THREADS;
-        if (d < p.head_size)
+        if (d < p.v_head_size)
           out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(acc[k][c] * f);
       }
       if (lse && my_col == 0) lse[(long long)row.head * p.num_tokens + row.token] = total > 0.0f ? mx + logf(total) : neg_inf();
@@ -298,14 +319,15 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
   }
 }
 
-template <class T, int HD>
+template <class T>
 __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
-    T* __restrict__ out,                     // [num_tokens, num_heads, head_size]
+    T* __restrict__ out,                     // [num_tokens, num_heads, v_head_size]
     float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
     const float* __restrict__ max_logits,    // [num_tokens, num_heads, max_splits]
     const float* __restrict__ exp_sums,      // [num_tokens, num_heads, max_splits]
-    const T* __restrict__ tmp_output,        // [num_tokens, num_heads, max_splits, head_size]
-    const int* __restrict__ seq_lens,        // [num_seqs]
+    const T* __restrict__ tmp_output,        // [num_tokens, num_heads, max_splits, v_head_size]
+    const int* __restrict__ seq_lens,        // [num_seqs], or cu_seqlens_k [num_seqs + 1] (dense)
+    int dense,
     const int* __restrict__ query_start_loc, // [num_seqs + 1] or nullptr
     const float* __restrict__ sinks,         // [num_heads] or nullptr
     PaParams p, int num_seqs) {
@@ -320,7 +342,8 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     seq = lo;
     if (token >= query_start_loc[num_seqs]) return;
   }
-  const int num_splits = max(1, (seq_lens[seq] + p.kv_split_size - 1) / p.kv_split_size);
+  const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
+  const int num_splits = max(1, (seq_len + p.kv_split_size - 1) / p.kv_split_size);
   if (num_splits <= 1) return;  // finished by the main kernel
   const long long th = (long long)token * p.num_heads + head;
   const float* m = max_logits + th * p.max_splits;
@@ -333,10 +356,10 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   for (int s = 0; s < num_splits; ++s)
     if (l[s] > 0.0f) total += expf(m[s] - mx) * l[s];
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
+  for (int d = threadIdx.x; d < p.v_head_size; d += blockDim.x) {
     float a = 0.0f;
     for (int s = 0; s < num_splits; ++s)
-      if (l[s] > 0.0f) a += expf(m[s] - mx) * l[s] * to_float(tmp_output[(th * p.max_splits + s) * p.head_size + d]);
+      if (l[s] > 0.0f) a += expf(m[s] - mx) * l[s] * to_float(tmp_output[(th * p.max_splits + s) * p.v_head_size + d]);
     out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(a * inv);
   }
   if (lse && threadIdx.x == 0) lse[(long long)head * p.num_tokens + token] = total > 0.0f ? mx + logf(total) : neg_inf();

@@ -65,7 +65,8 @@ def assert_close(got, ref, dtype_or_key, what="output"):
     ref = np.asarray(ref, dtype=np.float64)
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
     same_inf = np.isinf(ref) & (got == ref)
-    err = np.where(same_inf, 0.0, np.abs(got - ref))
+    with np.errstate(invalid="ignore"):
+        err = np.where(same_inf, 0.0, np.abs(got - ref))
     bound = atol + rtol * np.abs(np.where(np.isinf(ref), 0.0, ref))
     bad = ~(err <= bound)
     if bad.any():

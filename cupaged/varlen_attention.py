@@ -1,0 +1,81 @@
+"""Dense varlen attention (FlashAttention's ``flash_attn_varlen_func`` semantics) on the paged
+attention kernel's dense mode: keys and values are token rows addressed through cu_seqlens_k."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cupaged._attention_args import check_out, check_q
+from cupaged._cache_args import check_index, host_copy
+from cupaged._checks import address, check_last_contiguous, check_ndim, element_strides, validate_enabled
+from cupaged._runtime import array_module
+from cupaged.paged_attention import ROWS, launch
+
+__all__ = ["varlen_attention"]
+
+
+def _dense_strides(k, v):
+    """check_caches' dict for [total_k, num_kv_heads, head_size] rows (no blocks, no chunking)."""
+    ks, vs = element_strides("k", k), element_strides("v", v)
+    x = 16 // k.itemsize
+    vec_k = address(k) % 16 == 0 and ks[0] % x == 0 and ks[1] % x == 0
+    vec_v = address(v) % 16 == 0 and vs[0] % x == 0 and vs[1] % x == 0
+    return dict(kv_heads=k.shape[1], block_size=1, vec_k=int(vec_k), vec_v=int(vec_v), k_block_stride=0,
+                k_head_stride=ks[1], k_chunk_stride=x, k_page_stride=ks[0], v_block_stride=0, v_head_stride=vs[1],
+                v_page_stride=vs[0], v_dim_stride=1)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=True, max_seqlen_q=None,
+                     max_seqlen_k=None, out=None, return_lse=False, validate=None):
+    """Attention of varlen sequences packed along the token axis: q ``[total_q, num_heads,
+    qk_head_size]``, k ``[total_k, num_kv_heads, qk_head_size]``, v ``[total_k, num_kv_heads,
+    v_head_size]`` (v_head_size may differ, e.g. MLA prefill 192/128); sequence b owns q rows
+    cu_seqlens_q[b]..[b+1] and k/v rows cu_seqlens_k[b]..[b+1]. Causal masking is bottom-right
+    aligned: query i sees keys j <= i + len_k - len_q. Returns out ``[total_q, num_heads,
+    v_head_size]`` (and LSE float32 ``[num_heads, total_q]``, -inf for rows that see no key).
+    ``max_seqlen_q`` / ``max_seqlen_k`` are optional host-side hints for the grid."""
+    xp = array_module(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
+    total_q, num_heads, head_size = check_q(q)
+    check_ndim("k", k, 3, "[total_k, num_kv_heads, qk_head_size]")
+    check_ndim("v", v, 3, "[total_k, num_kv_heads, v_head_size]")
+    for name, a in (("k", k), ("v", v)):
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
+        check_last_contiguous(name, a)
+    if k.shape[2] != head_size:
+        raise ValueError(f"k's head size {k.shape[2]} must equal q's {head_size}")
+    if v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"v must be [{k.shape[0]}, {k.shape[1]}, v_head_size] like k, got {tuple(v.shape)}")
+    v_head_size = v.shape[2]
+    if v_head_size > 256 or v_head_size == 0:
+        raise NotImplementedError(f"v_head_size={v_head_size} (v's last dimension): 1..256 are supported")
+    if k.shape[1] == 0 or num_heads % k.shape[1]:
+        raise ValueError(f"num_heads={num_heads} (q) must be a multiple of num_kv_heads={k.shape[1]} (k)")
+    check_index("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
+    check_index("cu_seqlens_k", cu_seqlens_k, 1, "[batch + 1]")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0] or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both be [batch + 1], got {cu_seqlens_q.shape[0]} "
+                         f"and {cu_seqlens_k.shape[0]} entries")
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch > 65535:
+        raise NotImplementedError(f"cu_seqlens_q: at most 65535 sequences per call, got {batch}")
+    out = check_out(out, q, "out", shape=(total_q, num_heads, v_head_size))
+    lse = xp.empty((num_heads, total_q), np.float32) if return_lse else None
+    if validate_enabled(validate):
+        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+            c = host_copy(cu).astype(np.int64)
+            if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] > total:
+                raise ValueError(f"{name} must start at 0, be non-decreasing and end at most at {total}")
+    if total_q == 0 or batch == 0:
+        if return_lse:
+            lse[...] = -np.inf
+        return (out, lse) if return_lse else out
+    group = num_heads // k.shape[1]
+    tiles = -(-int(max_seqlen_q or total_q) * group // ROWS)
+    scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+    launch(xp, q, k, v, _dense_strides(k, v), None, cu_seqlens_k, cu_seqlens_q, out, lse, scale=scale,
+           causal=causal, window=0, sinks=None, alibi=None, softcap=None, kv_cache_dtype="auto", k_scale=1.0,
+           v_scale=1.0, kv_split_size=0, max_splits=1, tiles=tiles)
+    return (out, lse) if return_lse else out
