@@ -59,8 +59,12 @@ def backend(request) -> Backend:
 
 
 def assert_close(got, ref, dtype_or_key, what="output"):
-    """Elementwise |got - ref| <= atol + rtol |ref| with the table's tolerance; NaN never passes."""
-    atol, rtol = TOLERANCES[dtype_or_key if isinstance(dtype_or_key, str) else np.dtype(dtype_or_key)]
+    """Elementwise |got - ref| <= atol + rtol |ref|; ``dtype_or_key``: a dtype, a key of TOLERANCES or
+    an (atol, rtol) pair. NaN never passes."""
+    if isinstance(dtype_or_key, tuple):
+        atol, rtol = dtype_or_key
+    else:
+        atol, rtol = TOLERANCES[dtype_or_key if isinstance(dtype_or_key, str) else np.dtype(dtype_or_key)]
     got = np.asarray(got, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"

@@ -18,7 +18,8 @@ import pytest
 
 import cupaged
 from cupaged import reference
-from tests.conftest import TOLERANCES, assert_close
+from cupaged.tolerances import tolerance
+from tests.conftest import assert_close
 
 F16, BF16, F32 = np.float16, ml_dtypes.bfloat16, np.float32
 SHAPE_MIXED = ((1, 1328), (5, 18), (129, 463))  # (query len, context len): decode + prefill chunks
@@ -122,9 +123,7 @@ def run(backend, case: Case, seed=0, **extra):
 
 def check(backend, case: Case, seed=0, **extra):
     out, lse, ref_out, ref_lse = run(backend, case, seed, **extra)
-    tol_key = "fp8" if case.kv_cache_dtype != "auto" and TOLERANCES["fp8"] > TOLERANCES[np.dtype(case.dtype)] \
-        else case.dtype
-    assert_close(out, ref_out, tol_key, "out")
+    assert_close(out, ref_out, tolerance(case.dtype, case.kv_cache_dtype), "out")
     assert_close(lse, ref_lse, "lse", "lse")
     return out, lse
 

@@ -10,7 +10,8 @@ import pytest
 
 import cupaged
 from cupaged import reference
-from tests.conftest import TOLERANCES, assert_close
+from cupaged.tolerances import tolerance
+from tests.conftest import assert_close
 from tests.test_paged_attention import SHAPE_DECODE, Case, build
 
 F16, BF16, F32 = np.float16, ml_dtypes.bfloat16, np.float32
@@ -54,7 +55,7 @@ def test_v1_v2_match_reference_and_flash_layout(backend, case):
     alibi = options["alibi_slopes"]
     ref_out = reference.paged_attention_v1(q, inputs["key_cache"], inputs["value_cache"], num_kv_heads, scale, tables,
                                            seq_lens, alibi, case.kv_cache_dtype, options["k_scale"], options["v_scale"])
-    tol = "fp8" if case.kv_cache_dtype != "auto" and TOLERANCES["fp8"] > TOLERANCES[np.dtype(case.dtype)] else case.dtype
+    tol = tolerance(case.dtype, case.kv_cache_dtype)
     dev = {k: backend.asarray(inputs[k]) for k in ("q", "key_cache", "value_cache", "block_tables", "seq_lens")}
     dev_alibi = None if alibi is None else backend.asarray(alibi)
     common = (dev["key_cache"], dev["value_cache"], num_kv_heads, scale, dev["block_tables"], dev["seq_lens"],

@@ -1,0 +1,94 @@
+"""MLA decode over the latent paged cache against cupaged.reference.mla_decode."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import reference
+from cupaged.tolerances import tolerance
+from tests.conftest import assert_close
+
+RANK, ROPE = 512, 64
+
+
+def latent_pool(rng, seq_lens, block_size, dtype, kv_cache_dtype):
+    """A NaN/0xFF-poisoned latent cache with each sequence's rows, its shuffled block table
+    (garbage past the end) and the fp8 scale."""
+    need = [-(-int(s) // block_size) for s in seq_lens]
+    num_blocks = sum(need) + 5
+    rows = np.full((num_blocks, block_size, RANK + ROPE), np.nan, np.float32)
+    table = rng.integers(num_blocks + 100, 2**30, (len(seq_lens), max(need + [1]) + 2)).astype(np.int32)
+    ids = rng.permutation(num_blocks)
+    used = 0
+    for b, (n, s) in enumerate(zip(need, seq_lens)):
+        table[b, :n] = ids[used:used + n]
+        used += n
+        pos = np.arange(s)
+        rows[table[b, pos // block_size], pos % block_size] = rng.standard_normal((s, RANK + ROPE))
+    if kv_cache_dtype == "auto":
+        return rows.astype(dtype), table, 1.0
+    scale = float(np.nanmax(np.abs(rows))) / 64
+    codes = reference.quantize_fp8(rows, scale, kv_cache_dtype)
+    codes[np.isnan(rows)] = 0xFF
+    return codes, table, scale
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("num_heads, block_size, seq_lens, split", [
+    (16, 16, [1, 17, 600, 2048], None),
+    (128, 64, [1, 65, 300], 128),
+    (16, 64, [0, 64, 1000], 256),
+    (128, 16, [40, 2], None),
+], ids=["h16-bs16", "h128-bs64-split128", "h16-bs64-empty", "h128-bs16"])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["f16", "bf16"])
+def test_mla_decode(backend, kv_cache_dtype, num_heads, block_size, seq_lens, split, dtype):
+    rng = np.random.default_rng(num_heads + block_size)
+    cache, table, scale = latent_pool(rng, seq_lens, block_size, dtype, kv_cache_dtype)
+    lens = np.array(seq_lens, np.int32)
+    q = (rng.standard_normal((len(lens), num_heads, RANK + ROPE)) * 0.5).astype(dtype)
+    out, lse = cupaged.mla_decode(*(backend.asarray(a) for a in (q, cache, table, lens)), scale=0.05,
+                                  kv_cache_dtype=kv_cache_dtype, k_scale=scale, kv_split_size=split, return_lse=True)
+    ref_out, ref_lse = reference.mla_decode(q, cache, table, lens, scale=0.05, kv_cache_dtype=kv_cache_dtype,
+                                            k_scale=scale)
+    assert_close(backend.to_numpy(out), ref_out, tolerance(dtype, kv_cache_dtype), "out")
+    assert_close(backend.to_numpy(lse), ref_lse, "lse", "lse")
+
+
+def test_mla_decode_split_is_batch_invariant(backend):
+    rng = np.random.default_rng(5)
+    cache, table, _ = latent_pool(rng, [900, 40, 1500], 16, np.float16, "auto")
+    q = rng.standard_normal((3, 16, RANK + ROPE)).astype(np.float16)
+    lens = np.array([900, 40, 1500], np.int32)
+    full = cupaged.mla_decode(*(backend.asarray(a) for a in (q, cache, table, lens)), scale=0.05, kv_split_size=256)
+    alone = cupaged.mla_decode(*(backend.asarray(a) for a in (q[:1], cache, table[:1], lens[:1])), scale=0.05,
+                               kv_split_size=256)
+    assert np.array_equal(backend.to_numpy(full)[0].view(np.uint16), backend.to_numpy(alone)[0].view(np.uint16))
+
+
+BAD = {
+    "cache dtype": (lambda a: {"kv_cache": a["kv_cache"].astype(np.float32)}, TypeError, "kv_cache"),
+    "cache width": (lambda a: {"kv_cache": a["kv_cache"][..., :500]}, ValueError, "kv_cache"),
+    "rank": (lambda a: {"kv_lora_rank": 600}, NotImplementedError, "kv_lora_rank"),
+    "tables dtype": (lambda a: {"block_tables": a["block_tables"].astype(np.int64)}, TypeError, "block_tables"),
+    "seq_lens rows": (lambda a: {"seq_lens": a["seq_lens"][:1]}, ValueError, "block_tables"),
+    "fp8 float cache": (lambda a: {"kv_cache_dtype": "fp8"}, TypeError, "kv_cache"),
+    "k_scale per head": (lambda a: {"kv_cache_dtype": "fp8", "kv_cache": a["kv_cache"].view(np.uint8)[..., :576],
+                                    "k_scale": np.ones(2, np.float32)}, ValueError, "k_scale"),
+    "out shape": (lambda a: {"out": np.zeros((2, 16, 576), np.float16)}, ValueError, "out"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_mla_decode_bad_input(backend, case):
+    rng = np.random.default_rng(6)
+    cache, table, _ = latent_pool(rng, [10, 20], 16, np.float16, "auto")
+    a = dict(q=np.zeros((2, 16, 576), np.float16), kv_cache=cache, block_tables=table,
+             seq_lens=np.array([10, 20], np.int32), scale=0.1)
+    change, exc, match = BAD[case]
+    a.update(change(a))
+    a = {k: backend.asarray(v) if isinstance(v, np.ndarray) else v for k, v in a.items()}
+    with pytest.raises(exc, match=match):
+        cupaged.mla_decode(**a)
