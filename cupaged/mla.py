@@ -11,7 +11,7 @@ from cupaged._checks import address, check_last_contiguous, check_ndim, element_
 from cupaged._runtime import array_module
 from cupaged.paged_attention import MLA_BUCKET, ROWS, _validate_contents, choose_split, launch
 
-__all__ = ["mla_decode"]
+__all__ = ["mla_decode", "mla_chunked_prefill"]
 
 
 def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale, kv_cache_dtype="auto", k_scale=1.0,
@@ -63,3 +63,65 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale, 
            window=0, sinks=None, alibi=None, softcap=None, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
            v_scale=k_scale, kv_split_size=split if max_splits > 1 else 0, max_splits=max_splits, tiles=tiles, mla=True)
     return (out, lse) if return_lse else out
+
+
+def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj, *,
+                        workspace_tokens=8192, scale=None, kv_cache_dtype="auto", k_scale=1.0, workspace=None,
+                        out=None, return_lse=False):
+    """MLA prefill of new tokens over an already cached latent context, in bounded memory.
+
+    q ``[total_q, num_heads, qk_head_size]``; k_new / v_new ``[total_q, num_kv_heads, qk /
+    v_head_size]`` (the new tokens, already up-projected); kv_cache ``[num_blocks, block_size,
+    latent]`` holds each sequence's ``context_lens[b]`` cached tokens (host int array; the chunk plan
+    is made on the host) through ``block_tables``. For each chunk of at most ``workspace_tokens``
+    context tokens (over the whole batch): ``gather_and_maybe_dequant_cache`` into the workspace
+    ``[workspace_tokens, latent]`` (q's dtype; allocated when not given), ``up_proj(latent_rows) ->
+    (k, v)`` (caller-supplied: no weights live in cupaged), non-causal ``varlen_attention`` with LSE,
+    merged into the running state with ``merge_attn_states``; finally causal attention over the new
+    tokens, merged last. Returns out ``[total_q, num_heads, v_head_size]`` (and LSE)."""
+    from cupaged.cache_gather import gather_and_maybe_dequant_cache
+    from cupaged.merge_attn_states import merge_attn_states
+    from cupaged.varlen_attention import varlen_attention
+
+    xp = array_module(q=q, k_new=k_new, v_new=v_new, kv_cache=kv_cache, block_tables=block_tables,
+                      cu_seqlens_q=cu_seqlens_q, out=out, workspace=workspace)
+    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, latent]")
+    contexts = host_copy(context_lens).astype(np.int64).reshape(-1)
+    batch = cu_seqlens_q.shape[0] - 1
+    if contexts.shape[0] != batch or (contexts.size and contexts.min() < 0):
+        raise ValueError(f"context_lens must hold batch={batch} values >= 0, got {contexts.shape[0]}")
+    if int(workspace_tokens) < 1:
+        raise ValueError(f"workspace_tokens must be >= 1, got {workspace_tokens}")
+    latent, block_size = kv_cache.shape[2], kv_cache.shape[1]
+    if workspace is None:
+        workspace = xp.empty((int(workspace_tokens), latent), q.dtype)
+    elif workspace.ndim != 2 or workspace.shape[1] != latent or workspace.dtype != q.dtype:
+        raise ValueError(f"workspace must be [workspace_tokens, {latent}] of q's dtype {q.dtype}, got "
+                         f"{workspace.dtype} {tuple(workspace.shape)}")
+    chunk = max(1, workspace.shape[0] // max(batch, 1))
+    chunk = chunk // block_size * block_size or chunk  # whole blocks per sequence when the workspace allows
+    state = None
+    for start in range(0, int(contexts.max(initial=0)), chunk):
+        lens = np.clip(contexts - start, 0, chunk)
+        cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        token_to_seq = np.repeat(np.arange(batch, dtype=np.int32), lens)
+        n = int(cu_k[-1])
+        rows = workspace[:n]
+        gather_and_maybe_dequant_cache(kv_cache, rows, block_tables, xp.asarray(cu_k), xp.asarray(token_to_seq), n,
+                                       kv_cache_dtype, k_scale, xp.asarray(np.full(batch, start, np.int32)))
+        k_c, v_c = up_proj(rows)
+        part = varlen_attention(q, k_c, v_c, cu_seqlens_q, xp.asarray(cu_k), scale=scale, causal=False,
+                                max_seqlen_k=chunk, return_lse=True)
+        state = part if state is None else _merge(merge_attn_states, xp, state, part)
+    new = varlen_attention(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, scale=scale, causal=True,
+                           out=out if state is None else None, return_lse=True)
+    if state is not None:
+        new = _merge(merge_attn_states, xp, state, new, out=out)
+    return new if return_lse else new[0]
+
+
+def _merge(merge_attn_states, xp, prefix, suffix, out=None):
+    output = xp.empty_like(prefix[0]) if out is None else out
+    output_lse = xp.empty_like(prefix[1])
+    merge_attn_states(output, prefix[0], prefix[1], suffix[0], suffix[1], output_lse)
+    return output, output_lse
