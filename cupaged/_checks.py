@@ -30,7 +30,7 @@ def check_dtype(name: str, a, allowed) -> None:
 
 
 def check_last_contiguous(name: str, a) -> None:
-    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+    if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(a.strides)} "
                          f"for itemsize {a.itemsize}")
 

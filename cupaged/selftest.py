@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from cupaged import reference
+from cupaged.merge_attn_states import merge_attn_states
 from cupaged.paged_attention import paged_attention
 from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
 from cupaged.tolerances import TOLERANCES, tolerance
@@ -193,6 +194,25 @@ def _vllm_attention(version):
     return case
 
 
+def _merge(dtype):
+    def case(asarray, rng):
+        tokens, heads, head_size, with_context = 37, 4, 80, 30
+        po, so = (rng.standard_normal((tokens, heads, head_size)).astype(dtype) for _ in range(2))
+        pl, sl = (rng.uniform(-4, 4, (heads, tokens)).astype(np.float32) for _ in range(2))
+        pl[0, 3] = sl[1, 5] = np.inf  # FA2's empty rows count as -inf
+        pl[2, 7] = sl[2, 7] = -np.inf  # both sides empty: the prefix output, LSE -inf
+        out, out_lse = asarray(np.zeros_like(po)), asarray(np.zeros((heads, tokens), np.float32))
+        merge_attn_states(out, asarray(po), asarray(pl), asarray(so), asarray(sl), out_lse, with_context)
+        ref, ref_lse = reference.merge_attn_states(po, pl, so, sl, with_context)
+        err, tol = _bounded([(out, ref)], TOLERANCES[np.dtype(dtype)])
+        got_lse, finite = _to_numpy(out_lse), np.isfinite(ref_lse)
+        lse_err, lse_tol = _bounded([(got_lse[finite], ref_lse[finite])], TOLERANCES["lse"])
+        if not np.array_equal(got_lse[~finite], ref_lse[~finite]):
+            lse_err = float("inf")
+        return (err, tol) if err / tol >= lse_err / lse_tol else (lse_err, lse_tol)
+    return case
+
+
 _DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
 CASES = {
     **{f"reshape_and_cache_flash {np.dtype(dt).name} {layout}": _flash(dt, layout)
@@ -210,6 +230,7 @@ CASES = {
                                                              alibi_slopes=np.linspace(0.1, 0.8, 8, dtype=np.float32)),
     "paged_attention_v1 float16": _vllm_attention(1),
     "paged_attention_v2 float16": _vllm_attention(2),
+    **{f"merge_attn_states {np.dtype(dt).name}": _merge(dt) for dt in _DTYPES},
 }
 
 

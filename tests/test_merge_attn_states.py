@@ -13,10 +13,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupaged import merge_attn_states as mas
 from cupaged import reference
 from cupaged._checks import CTYPE
-from cupaged.merge_attn_states import merge_attn_states
+from cupaged.merge_attn_states import FAMILY, _kernel, merge_attn_states
 from tests.conftest import assert_close
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -185,8 +184,8 @@ def test_strided_views(backend, dtype, kind, monkeypatch):
     """prefix, suffix and output are views 0, 1, 2 of one buffer; the memory around the output view
     must come back untouched. Aligned views take the 16-byte path, the unaligned one the scalar path."""
     launched = []
-    function = mas.FAMILY.function
-    monkeypatch.setattr(mas.FAMILY, "function", lambda name, xp: launched.append(name) or function(name, xp))
+    function = FAMILY.function
+    monkeypatch.setattr(FAMILY, "function", lambda name, xp: launched.append(name) or function(name, xp))
     rng = np.random.default_rng(7)
     buf_shape, view = _view_of(kind, 17, 128, dtype)
     host = rng.standard_normal(buf_shape).astype(dtype)
@@ -198,7 +197,7 @@ def test_strided_views(backend, dtype, kind, monkeypatch):
     outside = np.ones(buf_shape, bool)
     view(outside, 2)[...] = False
     assert_bits(backend.to_numpy(buf)[outside], host[outside], "memory around the output view")
-    assert launched == [mas._kernel(CTYPE[np.dtype(dtype)], kind != "unaligned")]
+    assert launched == [_kernel(CTYPE[np.dtype(dtype)], kind != "unaligned")]
 
 
 @pytest.mark.parametrize("layout", ["transposed", "padded"])

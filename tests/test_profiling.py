@@ -12,7 +12,8 @@ BENCHES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "profil
 
 
 @pytest.mark.parametrize("path", BENCHES, ids=[os.path.basename(p) for p in BENCHES])
-def test_bench_smoke_run(path, capsys):
+def test_bench_smoke_run(path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", [path])  # the scripts parse their own command line
     runpy.run_path(path, run_name="__main__")
     out = capsys.readouterr().out
     assert "median µs" in out and "v1" in out
