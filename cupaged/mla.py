@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from cupaged._attention_args import check_out, check_q, check_tables
-from cupaged._cache_args import cache_dtype, host_copy
+from cupaged._cache_args import cache_dtype, host_copy, scale_args
 from cupaged._checks import address, check_last_contiguous, check_ndim, element_strides, validate_enabled
 from cupaged._runtime import array_module
 from cupaged.paged_attention import MLA_BUCKET, ROWS, _validate_contents, choose_split, launch
@@ -92,6 +92,7 @@ def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, c
         raise ValueError(f"context_lens must hold batch={batch} values >= 0, got {contexts.shape[0]}")
     if int(workspace_tokens) < 1:
         raise ValueError(f"workspace_tokens must be >= 1, got {workspace_tokens}")
+    scale_args("k_scale", k_scale, xp, kv_cache_dtype, None)  # checked up front, even with no context
     latent, block_size = kv_cache.shape[2], kv_cache.shape[1]
     if workspace is None:
         workspace = xp.empty((int(workspace_tokens), latent), q.dtype)

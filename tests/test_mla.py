@@ -30,7 +30,7 @@ def latent_pool(rng, seq_lens, block_size, dtype, kv_cache_dtype):
         rows[table[b, pos // block_size], pos % block_size] = rng.standard_normal((s, RANK + ROPE))
     if kv_cache_dtype == "auto":
         return rows.astype(dtype), table, 1.0
-    scale = float(np.nanmax(np.abs(rows))) / 64
+    scale = float(np.nanmax(np.abs(rows), initial=1.0)) / 64
     codes = reference.quantize_fp8(rows, scale, kv_cache_dtype)
     codes[np.isnan(rows)] = 0xFF
     return codes, table, scale
@@ -92,3 +92,80 @@ def test_mla_decode_bad_input(backend, case):
     a = {k: backend.asarray(v) if isinstance(v, np.ndarray) else v for k, v in a.items()}
     with pytest.raises(exc, match=match):
         cupaged.mla_decode(**a)
+
+
+class UpProjection:
+    """A fixed random up-projection latent [n, 576] -> (k [n, H, 192], v [n, H, 128]), standing in
+    for the model's kv_b_proj: k = (kv_c W_k_nope, k_pe broadcast over heads), v = kv_c W_v."""
+
+    def __init__(self, rng, heads, dtype, nope=128, rope=ROPE, vd=128):
+        self.heads, self.nope, self.vd, self.dtype = heads, nope, vd, dtype
+        self.w_k = (rng.standard_normal((RANK, heads * nope)) / np.sqrt(RANK)).astype(np.float32)
+        self.w_v = (rng.standard_normal((RANK, heads * vd)) / np.sqrt(RANK)).astype(np.float32)
+
+    def __call__(self, latent):
+        xp = np if isinstance(latent, np.ndarray) else __import__("cupy")
+        lat = latent.astype(xp.float32)
+        n = lat.shape[0]
+        k_nope = (lat[:, :RANK] @ xp.asarray(self.w_k)).reshape(n, self.heads, self.nope)
+        k_pe = xp.broadcast_to(lat[:, None, RANK:], (n, self.heads, ROPE))
+        k = xp.concatenate([k_nope, k_pe], axis=2).astype(self.dtype)
+        v = (lat[:, :RANK] @ xp.asarray(self.w_v)).reshape(n, self.heads, self.vd).astype(self.dtype)
+        return k, v
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("contexts, workspace_tokens", [
+    ([30, 0, 17], 64),     # contexts shorter than the workspace: one chunk
+    ([32, 32], 64),        # exactly the workspace
+    ([200, 5, 131], 48),   # several times the workspace
+    ([0, 0], 16),          # no cached context at all
+], ids=["shorter", "equal", "several", "none"])
+def test_mla_chunked_prefill_matches_one_shot_attention(backend, kv_cache_dtype, contexts, workspace_tokens):
+    rng = np.random.default_rng(sum(contexts) + workspace_tokens)
+    heads, dtype, block_size = 4, np.float16, 16
+    new_lens = [3, 6, 1][:len(contexts)]
+    cache, table, scale = latent_pool(rng, contexts, block_size, dtype, kv_cache_dtype)
+    up = UpProjection(rng, heads, dtype)
+    cu_q = np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32)
+    q = (rng.standard_normal((cu_q[-1], heads, 192)) * 0.5).astype(dtype)
+    new_latent = rng.standard_normal((cu_q[-1], RANK + ROPE)).astype(dtype)
+    k_new, v_new = up(new_latent)
+    out, lse = cupaged.mla_chunked_prefill(
+        *(backend.asarray(a) for a in (q, k_new, v_new, cache, table, cu_q)), np.array(contexts, np.int32), up,
+        workspace_tokens=workspace_tokens, kv_cache_dtype=kv_cache_dtype, k_scale=scale, return_lse=True)
+    # one-shot reference: the whole context (dequantized, up-projected) followed by the new tokens
+    ks, vs, cu_k = [], [], [0]
+    for b, (ctx, n) in enumerate(zip(contexts, new_lens)):
+        lat = reference.dense_kv(cache[:, :, None], cache[:, :, None], table[b], ctx, kv_cache_dtype=kv_cache_dtype,
+                                 k_scale=scale, v_scale=scale)[0][:, 0].astype(dtype)
+        k_ctx, v_ctx = up(lat)
+        ks += [k_ctx, k_new[cu_q[b]:cu_q[b + 1]]]
+        vs += [v_ctx, v_new[cu_q[b]:cu_q[b + 1]]]
+        cu_k.append(cu_k[-1] + ctx + n)
+    ref_out, ref_lse = reference.varlen_attention(q, np.concatenate(ks), np.concatenate(vs), cu_q,
+                                                  np.array(cu_k, np.int32), causal=True)
+    assert_close(backend.to_numpy(out), ref_out, dtype, "out")
+    assert_close(backend.to_numpy(lse), ref_lse, "lse", "lse")
+
+
+def test_mla_chunked_prefill_bad_input(backend):
+    rng = np.random.default_rng(1)
+    cache, table, _ = latent_pool(rng, [10, 20], 16, np.float16, "auto")
+    a = [backend.asarray(x) for x in (np.zeros((2, 4, 192), np.float16), np.zeros((2, 4, 192), np.float16),
+                                      np.zeros((2, 4, 128), np.float16), cache, table, np.array([0, 1, 2], np.int32))]
+    with pytest.raises(ValueError, match="context_lens"):
+        cupaged.mla_chunked_prefill(*a, np.array([10], np.int32), UpProjection(rng, 4, np.float16))
+    with pytest.raises(ValueError, match="workspace_tokens"):
+        cupaged.mla_chunked_prefill(*a, np.array([10, 20], np.int32), UpProjection(rng, 4, np.float16),
+                                    workspace_tokens=0)
+
+
+def test_mla_chunked_prefill_checks_scale_without_context(backend):
+    rng = np.random.default_rng(2)
+    cache, table, _ = latent_pool(rng, [0], 16, np.uint8, "fp8")
+    a = [backend.asarray(x) for x in (np.zeros((1, 4, 192), np.float16), np.zeros((1, 4, 192), np.float16),
+                                      np.zeros((1, 4, 128), np.float16), cache, table, np.array([0, 1], np.int32))]
+    with pytest.raises(ValueError, match="k_scale"):
+        cupaged.mla_chunked_prefill(*a, np.array([0], np.int32), UpProjection(rng, 4, np.float16),
+                                    kv_cache_dtype="fp8", k_scale=-1.0)
