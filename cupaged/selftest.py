@@ -15,9 +15,11 @@ import numpy as np
 
 from cupaged import reference
 from cupaged.merge_attn_states import merge_attn_states
+from cupaged.mla import mla_decode
 from cupaged.paged_attention import paged_attention
 from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
 from cupaged.tolerances import TOLERANCES, tolerance
+from cupaged.varlen_attention import varlen_attention
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
 
@@ -213,6 +215,31 @@ def _merge(dtype):
     return case
 
 
+def _varlen(dtype, causal):
+    def case(asarray, rng):
+        cq, ck = np.array([0, 1, 18, 21], np.int32), np.array([0, 1, 18, 40], np.int32)
+        q = rng.standard_normal((21, 8, 192)).astype(dtype)
+        k = rng.standard_normal((40, 2, 192)).astype(dtype)
+        v = rng.standard_normal((40, 2, 128)).astype(dtype)
+        out, lse = varlen_attention(asarray(q), asarray(k), asarray(v), asarray(cq), asarray(ck), causal=causal,
+                                    return_lse=True)
+        ref, ref_lse = reference.varlen_attention(q, k, v, cq, ck, causal=causal)
+        return _bounded([(out, ref)], tolerance(dtype))
+    return case
+
+
+def _mla(dtype, kv_cache_dtype):
+    def case(asarray, rng):
+        q, cache, _, table, seq_lens, _ = _paged_pool(rng, ((1, 300), (1, 17), (1, 0)), (32, 1), 576, 16, dtype,
+                                                      kv_cache_dtype)
+        cache = np.ascontiguousarray(cache[:, :, 0])
+        out = mla_decode(asarray(q), asarray(cache), asarray(table), asarray(seq_lens), scale=0.04,
+                         kv_cache_dtype=kv_cache_dtype, k_scale=0.05, kv_split_size=128)
+        ref, _ = reference.mla_decode(q, cache, table, seq_lens, scale=0.04, kv_cache_dtype=kv_cache_dtype, k_scale=0.05)
+        return _bounded([(out, ref)], tolerance(dtype, kv_cache_dtype))
+    return case
+
+
 _DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
 CASES = {
     **{f"reshape_and_cache_flash {np.dtype(dt).name} {layout}": _flash(dt, layout)
@@ -231,6 +258,10 @@ CASES = {
     "paged_attention_v1 float16": _vllm_attention(1),
     "paged_attention_v2 float16": _vllm_attention(2),
     **{f"merge_attn_states {np.dtype(dt).name}": _merge(dt) for dt in _DTYPES},
+    "varlen_attention float16 192/128 causal": _varlen(np.float16, True),
+    "varlen_attention bfloat16 192/128 non-causal": _varlen(ml_dtypes.bfloat16, False),
+    "mla_decode bfloat16": _mla(ml_dtypes.bfloat16, "auto"),
+    "mla_decode float16 fp8 split-KV": _mla(np.float16, "fp8"),
 }
 
 
