@@ -76,6 +76,20 @@ struct PaParams {
   int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
 };
 
+// Up to X elements (stride apart; `left` remain in the row) of a cache row as float32: one 16-byte
+// load when the wrapper found the addresses aligned and the elements contiguous.
+template <int KV, int X, class CacheT>
+__device__ __forceinline__ void pa_dequant_chunk(float* dst, const CacheT* src, long long stride, int left, int vec,
+                                                 float scale) {
+  if (vec && left >= X) {
+    const Vec<CacheT, X> v = load_vec<CacheT, X>(src);
+#pragma unroll
+    for (int e = 0; e < X; ++e) dst[e] = dequantize<KV, float>(v.v[e], scale);
+  } else {
+    for (int e = 0; e < X && e < left; ++e) dst[e] = dequantize<KV, float>(src[e * stride], scale);
+  }
+}
+
 // Load keys (and values unless SHARED_KV) base..base+n-1 of one kv head into shared memory as float32.
 // tile_blocks == nullptr: dense rows, key j at row key_row0 + j.
 template <class CacheT, int KV, int HD, int VHD, bool SHARED_KV>
@@ -92,31 +106,16 @@ __device__ __forceinline__ void pa_load_tile(float* ks, float* vs, const CacheT*
     const long long block = tile_blocks ? tile_blocks[pos / p.block_size - first_block] : 0;
     const long long off = tile_blocks ? pos % p.block_size : key_row0 + pos;
     const int d0 = c * X;
-    if (d0 < p.head_size) {
-      const CacheT* kp = key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c * p.k_chunk_stride +
-                         off * p.k_page_stride;
-      float* kd = ks + j * S::K_STRIDE + d0;
-      if (p.vec_k && d0 + X <= p.head_size) {
-        const Vec<CacheT, X> kv = load_vec<CacheT, X>(kp);
-#pragma unroll
-        for (int e = 0; e < X; ++e) kd[e] = dequantize<KV, float>(kv.v[e], k_scale);
-      } else {
-        for (int e = 0; e < X && d0 + e < p.head_size; ++e) kd[e] = dequantize<KV, float>(kp[e], k_scale);
-      }
-    }
-    if (!SHARED_KV && d0 < p.v_head_size) {
-      const CacheT* vp = value_cache + block * p.v_block_stride + kv_head * p.v_head_stride + off * p.v_page_stride +
-                         d0 * p.v_dim_stride;
-      float* vd = vs + j * S::V_STRIDE + d0;
-      if (p.vec_v && d0 + X <= p.v_head_size) {
-        const Vec<CacheT, X> vv = load_vec<CacheT, X>(vp);
-#pragma unroll
-        for (int e = 0; e < X; ++e) vd[e] = dequantize<KV, float>(vv.v[e], v_scale);
-      } else {
-        for (int e = 0; e < X && d0 + e < p.v_head_size; ++e)
-          vd[e] = dequantize<KV, float>(vp[e * p.v_dim_stride], v_scale);
-      }
-    }
+    if (d0 < p.head_size)
+      pa_dequant_chunk<KV, X>(ks + j * S::K_STRIDE + d0,
+                              key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c * p.k_chunk_stride +
+                                  off * p.k_page_stride,
+                              1, p.head_size - d0, p.vec_k, k_scale);
+    if (!SHARED_KV && d0 < p.v_head_size)
+      pa_dequant_chunk<KV, X>(vs + j * S::V_STRIDE + d0,
+                              value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
+                                  off * p.v_page_stride + d0 * p.v_dim_stride,
+                              p.v_dim_stride, p.v_head_size - d0, p.vec_v, v_scale);
   }
 }
 

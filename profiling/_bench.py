@@ -82,3 +82,25 @@ def summarize(label, version, ms, nbytes, peak):
     gbps = nbytes / (med * 1e-6) / 1e9
     pct = f"{100 * gbps / peak:.0f}%" if peak else "-"
     return (label, version, f"{med:.1f}", f"{p20:.1f}–{p80:.1f}", f"{gbps:.0f}", pct)
+
+
+def run_bandwidth_table(gpu_cases, sim_cases):
+    """The main of a bandwidth benchmark: each case is (make, args) with make(xp, alloc, *args) ->
+    (label, run, bytes moved). On a GPU: CUDA-event timings and % of peak; else a sim smoke run."""
+    from cupaged import sim
+
+    cp = gpu()
+    rows = []
+    if cp is None:
+        for make, cfg in sim_cases:
+            label, run, nbytes = make(np, sim.empty, *cfg)
+            with nvtx_range(label):
+                rows.append(summarize(label, "v1", time_cpu(run), nbytes, None))
+        print_table(rows, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
+        return
+    device, peak = peak_bandwidth_gbps(cp)
+    for make, cfg in gpu_cases:
+        label, run, nbytes = make(cp, cp.empty, *cfg)
+        with nvtx_range(label):
+            rows.append(summarize(label, "v1", time_gpu(cp, run), nbytes, peak))
+    print_table(rows, f"{device} (peak {peak or '?'} GB/s)")

@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
 import cupaged  # noqa: E402
-from cupaged import sim  # noqa: E402
 
 
 def _pool(xp, rng, tokens, block_size):
@@ -100,21 +99,7 @@ SIM = [(flash, (64, 4, 128, 16)), (flash, (64, 4, 128, 16, "HND", "fp8")), (vllm
 
 
 def main():
-    cp = _bench.gpu()
-    rows = []
-    if cp is None:
-        for make, cfg in SIM:
-            label, run, nbytes = make(np, sim.empty, *cfg)
-            with _bench.nvtx_range(label):
-                rows.append(_bench.summarize(label, "v1", _bench.time_cpu(run), nbytes, None))
-        _bench.print_table(rows, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
-        return
-    device, peak = _bench.peak_bandwidth_gbps(cp)
-    for make, cfg in GPU:
-        label, run, nbytes = make(cp, cp.empty, *cfg)
-        with _bench.nvtx_range(label):
-            rows.append(_bench.summarize(label, "v1", _bench.time_gpu(cp, run), nbytes, peak))
-    _bench.print_table(rows, f"{device} (peak {peak or '?'} GB/s)")
+    _bench.run_bandwidth_table(GPU, SIM)
 
 
 if __name__ == "__main__":

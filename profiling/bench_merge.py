@@ -20,7 +20,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
-from cupaged import sim  # noqa: E402
 from cupaged.merge_attn_states import merge_attn_states  # noqa: E402
 
 DTYPE_NAMES = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(ml_dtypes.bfloat16): "bf16"}
@@ -56,21 +55,7 @@ SIM = [(merge, (17, 4, 128)), (merge, (5, 2, 512, np.float32))]
 
 
 def main():
-    cp = _bench.gpu()
-    rows = []
-    if cp is None:
-        for make, cfg in SIM:
-            label, run, nbytes = make(np, sim.empty, *cfg)
-            with _bench.nvtx_range(label):
-                rows.append(_bench.summarize(label, "v1", _bench.time_cpu(run), nbytes, None))
-        _bench.print_table(rows, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
-        return
-    device, peak = _bench.peak_bandwidth_gbps(cp)
-    for make, cfg in GPU:
-        label, run, nbytes = make(cp, cp.empty, *cfg)
-        with _bench.nvtx_range(label):
-            rows.append(_bench.summarize(label, "v1", _bench.time_gpu(cp, run), nbytes, peak))
-    _bench.print_table(rows, f"{device} (peak {peak or '?'} GB/s)")
+    _bench.run_bandwidth_table(GPU, SIM)
 
 
 if __name__ == "__main__":
