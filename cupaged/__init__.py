@@ -7,10 +7,12 @@ data arrays. See README.md for the API tour.
 
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache, swap_blocks
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
-from cupaged.paged_attention import paged_attention
+from cupaged.kv_cache import KVCache
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_chunked_prefill, mla_decode
+from cupaged.paged_attention import paged_attention
 from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
+from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks, PoolUsage
 from cupaged.varlen_attention import varlen_attention
 
 __version__ = "0.1.0"
@@ -18,5 +20,6 @@ __all__ = [
     "reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla", "gather_and_maybe_dequant_cache",
     "cp_gather_cache", "copy_blocks", "swap_blocks", "paged_attention", "paged_attention_v1",
     "paged_attention_v2", "varlen_attention", "mla_decode",
-    "merge_attn_states", "mla_chunked_prefill", "__version__",
+    "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",
+    "__version__",
 ]

@@ -24,7 +24,7 @@ class DecodeBatch:
         width = seqs.max_blocks if seqs.max_blocks is not None else int(self.nblocks.max(initial=0))
         self.tables = np.ascontiguousarray(seqs.tables[rows, :width])  # [S, width], 0-padded
         offset = self.lens % bs
-        last = self.tables[np.arange(rows.size), np.maximum(self.nblocks - 1, 0)].astype(np.int64)
+        last = seqs.tables[rows, np.maximum(self.nblocks - 1, 0)].astype(np.int64)  # (width may be 0)
         self.next_slot = last * bs + offset  # stale where offset == 0: set when the block is taken
         due = (-self.lens) % bs  # step (mod block_size) at which each sequence needs a new block
         order = np.argsort(due, kind="stable")
@@ -79,7 +79,7 @@ class DecodeBatch:
         positions, slot_mapping = self.lens.copy(), self.next_slot.copy()
         self.lens += 1
         self.next_slot += 1
-        self.max_len += 1
+        self.max_len += bool(self.rows.size)
         self.step_index += 1
         seqs.lens[self.rows] = self.lens
         return positions, slot_mapping

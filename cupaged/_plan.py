@@ -3,7 +3,9 @@ take (DESIGN.md §4), and their upload to the GPU in one copy from pinned stagin
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import sys
 
 import numpy as np
@@ -41,7 +43,7 @@ def resolve_array_module(xp, name="xp"):
 _FIELDS = ("slot_mapping", "positions", "query_start_loc", "seq_lens", "block_tables")  # int64 first
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class BatchPlan:
     """Index arrays of one step, sequences in batch order (S sequences, T new tokens).
 
@@ -59,7 +61,7 @@ class BatchPlan:
     positions: object
     max_seq_len: int
     max_query_len: int
-    _staging: PinnedStaging | None = dataclasses.field(default=None, repr=False, compare=False)
+    _staging: PinnedStaging | None = dataclasses.field(default=None, repr=False)  # the pool's
 
     @property
     def num_seqs(self) -> int:
@@ -82,9 +84,15 @@ class BatchPlan:
         if xp is sim:
             arrays = {f: xp.asarray(a) for f, a in arrays.items()}
         else:
-            staging = self._staging if self._staging is not None else PinnedStaging()
-            arrays = staging.upload(xp, arrays)
+            arrays = (self._staging or _shared_staging()).upload(xp, arrays)
         return dataclasses.replace(self, **arrays, _staging=None)
+
+
+@functools.cache
+def _shared_staging() -> PinnedStaging:
+    """For plans made outside a pool: a staging that outlives the copies it starts (a temporary
+    one could hand its pinned memory back while the copy still reads it)."""
+    return PinnedStaging()
 
 
 class PinnedStaging:
@@ -118,7 +126,7 @@ class PinnedStaging:
             buf[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
         stream = cp.cuda.get_current_stream()
         device = cp.empty(max(nbytes, 8), cp.uint8)
-        device.data.copy_from_host_async(buf.ctypes.data, nbytes, stream)
+        device.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), nbytes, stream)  # (old CuPy: no int)
         if self._events[slot] is None:
             self._events[slot] = cp.cuda.Event(disable_timing=True)
         self._events[slot].record(stream)

@@ -203,7 +203,8 @@ class SequenceTable:
         np.maximum.at(high, blocks, fills)
         errors += [f"shared block {b} holds {low[b]} tokens for one owner and {high[b]} for another"
                    for b in np.flatnonzero((high > 0) & (low != high)).tolist()]
-        errors += [f"partly filled block {b} of {self._ids[r]!r} is in the prefix cache (a later "
-                   f"append would change cached content)" for r, b, f in zip(rows.tolist(), blocks.tolist(),
-                                                                              fills.tolist()) if f < bs and alloc.is_hashed(b)]
+        for r, b, f in zip(rows.tolist(), blocks.tolist(), fills.tolist()):
+            if f < bs and alloc.is_hashed(b):
+                errors.append(f"partly filled block {b} of {self._ids[r]!r} is in the prefix cache "
+                              "(a later append would change cached content)")
         return errors

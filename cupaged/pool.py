@@ -5,12 +5,17 @@ sits in slot ``table[p // block_size] * block_size + p % block_size``. Blocks ar
 sequence grows, so at most one partly filled block per sequence is wasted. Blocks are reference
 counted: ``fork`` shares every block of a sequence (parallel sampling, beam search) and the first
 append into a shared, partly filled block gets a private copy (copy-on-write; the copies to run
-come from ``take_pending_copies``, for ``cache_ops.copy_blocks``). With prefix caching, full
+come from ``take_pending_copies``, for ``cupaged.copy_blocks``). With prefix caching, full
 blocks are found by a hash chained over the token ids of every block up to them, so requests
 with a common prompt prefix share its blocks.
 
+A step of an engine: ``plan`` (or ``plan_decode``) the batch, run ``take_pending_copies()``
+through ``copy_blocks``, then write the step's keys and values with ``reshape_and_cache*`` at
+``plan.slot_mapping``; fork and free between steps. Every call either succeeds whole or raises
+and changes nothing (``OutOfBlocks`` when the blocks run out: preempt, or wait).
+
 Per-sequence state is kept in numpy arrays indexed by a row number, so a decode step
-(``plan_decode``) updates only the entries that change and does no per-token Python work.
+(``plan_decode``) updates only the entries that change and does no per-sequence Python work.
 """
 
 from __future__ import annotations
@@ -179,7 +184,9 @@ class BlockPool:
     # -- sharing and freeing ----------------------------------------------------------------
 
     def fork(self, parent_id, child_id) -> None:
-        """``child_id`` shares every block of ``parent_id`` (its tokens so far, no copy)."""
+        """``child_id`` shares every block of ``parent_id`` (its tokens so far, no copy): parallel
+        sampling, beam search. Fork between steps: the child sees the cache as it is once the
+        step's copies and writes have run."""
         s = self._seqs
         parent = s.row(parent_id)
         if child_id in s.rows:
@@ -271,7 +278,7 @@ class BlockPool:
             s.tables[row, have:blocks] = self._alloc.take(blocks - have)
             s.nblocks[row] = blocks
         s.lens[row] = stop
-        if s.prefix_caching:
+        if s.prefix_caching and r.num_tokens:  # an empty append breaks no chain
             s.record_tokens(row, start, None if r.token_ids is None else r.token_ids[r.hit_tokens:], self._alloc)
 
     def _token_arrays(self, requests):

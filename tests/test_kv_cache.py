@@ -14,8 +14,7 @@ import pytest
 
 import cupaged
 from cupaged import sim
-from cupaged.kv_cache import KVCache
-from cupaged.pool import BlockPool
+from cupaged import BlockPool, KVCache
 from cupaged.sim._memory import guarded_buffer
 from tests.conftest import gpu_available
 
@@ -34,7 +33,8 @@ def test_layouts(layout, key_shape, value_shape):
     for layer in range(3):
         k, v = cache.key(layer), cache.value(layer)
         assert k.shape == key_shape and v.shape == value_shape and k.dtype == v.dtype == np.float16
-        assert guarded_buffer(k) is not None and guarded_buffer(v) is not None and guarded_buffer(k) is not guarded_buffer(v)
+        assert guarded_buffer(k) is not None and guarded_buffer(v) is not None
+        assert guarded_buffer(k) is not guarded_buffer(v)  # separate guard pages
         assert np.isnan(k).all() and np.isnan(v).all()  # unwritten slots read as NaN
     assert cache.nbytes == 3 * 2 * 10 * 16 * 4 * 64 * 2
     assert cache.key_caches[1] is cache.key(1) and len(cache.value_caches) == 3
@@ -57,7 +57,7 @@ def test_num_blocks_for_a_memory_budget():
 
 
 @pytest.mark.parametrize("kwargs,exc,message", [
-    (dict(head_size=120, dtype=np.float16, kv_cache_dtype="fp8", layout="vllm"), ValueError, "head_size=120 must be a multiple of x=16"),
+    (dict(head_size=120, kv_cache_dtype="fp8", layout="vllm"), ValueError, "head_size=120 must be a multiple of x=16"),
     (dict(head_size=60, layout="vllm"), ValueError, "multiple of x=8"),
     (dict(layout="NCHW"), ValueError, "layout must be one of"),
     (dict(kv_cache_dtype="int8"), ValueError, "kv_cache_dtype must be one of"),
@@ -153,8 +153,8 @@ def test_copy_on_write_end_to_end(backend, layout):
     for seq, layers in truth.items():
         for layer, (keys, values) in enumerate(layers):
             k, v = read_sequence(backend, cache, layer, pool.block_table(seq), pool.seq_len(seq), layout)
-            assert k.view(np.uint16).tolist() == np.stack(keys).view(np.uint16).tolist(), f"{seq} keys, layer {layer}"
-            assert v.view(np.uint16).tolist() == np.stack(values).view(np.uint16).tolist(), f"{seq} values, layer {layer}"
+            assert np.array_equal(k.view(np.uint16), np.stack(keys).view(np.uint16)), f"{seq} keys, layer {layer}"
+            assert np.array_equal(v.view(np.uint16), np.stack(values).view(np.uint16)), f"{seq} values, layer {layer}"
 
 
 # -- to_device ----------------------------------------------------------------------------------

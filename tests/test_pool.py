@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cupaged.pool import BlockPool, OutOfBlocks
+from cupaged import BlockPool, OutOfBlocks
 
 
 def expected_slots(pool, seq_id, positions):
@@ -357,8 +357,10 @@ def test_freeing_twice_raises():
     assert pool.num_free_blocks == 8
 
 
-@pytest.mark.parametrize("args,kwargs,exc", [((0, 4), {}, ValueError), ((4, 0), {}, ValueError),
-                                             ((4.0, 4), {}, TypeError), ((4, 4), {"max_blocks_per_seq": 0}, ValueError)])
+@pytest.mark.parametrize("args,kwargs,exc", [
+    ((0, 4), {}, ValueError), ((4, 0), {}, ValueError), ((4.0, 4), {}, TypeError),
+    ((4, 4), {"max_blocks_per_seq": 0}, ValueError),
+])
 def test_bad_pool_arguments(args, kwargs, exc):
     with pytest.raises(exc):
         BlockPool(*args, **kwargs)
@@ -486,7 +488,8 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), steps=st.integers(1, 4), with_ids=st.booleans())
     def decode(self, data, steps, with_ids):
-        if self.last_decode is not None and all(s in self.tokens for s in self.last_decode) and data.draw(st.booleans()):
+        again = self.last_decode is not None and all(s in self.tokens for s in self.last_decode)
+        if again and data.draw(st.booleans()):
             seqs = self.last_decode  # the same batch again: the incremental path
         else:
             seqs = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), unique=True))
