@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["KernelFamily", "families", "array_module", "kernels_dir"]
+__all__ = ["KernelFamily", "families", "array_module", "kernels_dir", "struct_arg"]
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
 _FAMILIES: dict[str, "KernelFamily"] = {}
@@ -133,3 +133,16 @@ def array_module(**arrays):
     if "cupy" in kinds:
         return sys.modules["cupy"]
     return np
+
+
+def struct_arg(value: np.ndarray, xp):
+    """A kernel argument for a C struct passed by value, from a 0-d numpy structured array whose
+    dtype matches the struct's layout (``align=True``). The sim takes the numpy scalar and checks
+    its size against the parameter; CuPy passes a ``CPointer`` to the bytes as the argument's
+    address (what cuLaunchKernel reads a by-value parameter from), which works whether or not the
+    installed CuPy knows structured scalars. ``value`` must stay alive until the launch returns."""
+    if xp is np:
+        return value[()]
+    from cupy.cuda.function import CPointer
+
+    return CPointer(value.ctypes.data)

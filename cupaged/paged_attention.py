@@ -11,7 +11,7 @@ import numpy as np
 from cupaged._attention_args import check_caches, check_head_vector, check_out, check_q, check_tables
 from cupaged._cache_args import KV_CODE, scale_args
 from cupaged._checks import CTYPE, address, element_strides, validate_enabled
-from cupaged._runtime import KernelFamily, array_module
+from cupaged._runtime import KernelFamily, array_module, struct_arg
 
 __all__ = ["paged_attention", "HEAD_BUCKETS"]
 
@@ -105,12 +105,12 @@ def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_
     kernel.max_dynamic_shared_size_bytes = smem_bytes(hd, vhd, mla)
     grid = (tiles * max_splits, caches["kv_heads"], num_seqs)
     kernel(grid, (THREADS,), (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks, alibi, k_ptr,
-                              v_ptr, out, lse, max_logits, exp_sums, tmp_output, p[()]),
+                              v_ptr, out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp)),
            shared_mem=smem_bytes(hd, vhd, mla))
     if max_splits > 1 and kv_split_size > 0:  # sequences with one split were finished above
         reduce = FAMILY.function(_reduce(t), xp)
         reduce((num_tokens, num_heads), (THREADS,), (out, lse, max_logits, exp_sums, tmp_output, seq_lens,
-                                                      np.int32(block_tables is None), query_start_loc, sinks, p[()],
+                                                      np.int32(block_tables is None), query_start_loc, sinks, struct_arg(p, xp),
                                                       np.int32(num_seqs)))
 
 

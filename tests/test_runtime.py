@@ -79,3 +79,17 @@ def test_selftest_reports_failures(monkeypatch, capsys):
     assert selftest.run("sim") == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "ERROR ZeroDivisionError" in out and "0 of 2 kernels ok" in out
+
+
+def test_struct_arg_for_each_backend(monkeypatch):
+    """The sim gets the numpy scalar; CuPy gets a CPointer to the struct's bytes."""
+    from cupaged._runtime import struct_arg
+
+    value = np.zeros((), np.dtype([("a", np.int64), ("b", np.float32)], align=True))
+    assert isinstance(struct_arg(value, np), np.void) and struct_arg(value, np).dtype.itemsize == 16
+    function = types.ModuleType("cupy.cuda.function")
+    function.CPointer = lambda address: ("CPointer", address)
+    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    monkeypatch.setitem(sys.modules, "cupy.cuda", types.ModuleType("cupy.cuda"))
+    monkeypatch.setitem(sys.modules, "cupy.cuda.function", function)
+    assert struct_arg(value, sys.modules["cupy"]) == ("CPointer", value.ctypes.data)
