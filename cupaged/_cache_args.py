@@ -8,7 +8,7 @@ import numpy as np
 
 from cupaged._checks import CTYPE, FLOAT_DTYPES, check_choice, check_dtype, check_ndim
 
-__all__ = ["KV_CACHE_DTYPES", "KV_CODE", "cache_dtype", "scale_args", "check_slot_mapping", "check_index",
+__all__ = ["KV_CACHE_DTYPES", "KV_CODE", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
            "host_copy", "kernel_scalar_type"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -58,6 +58,17 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     elif module == "numpy":
         scale = np.ascontiguousarray(scale)
     return scale.reshape(-1), np.float32(1.0), np.int32(scale.size > 1)
+
+
+def kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):
+    """(k ptr, v ptr, k value, v value, per_head) for kernels taking a key and a value scale;
+    per-head scales come in pairs."""
+    k = scale_args("k_scale", k_scale, xp, kv_cache_dtype, num_kv_heads)
+    v = scale_args("v_scale", v_scale, xp, kv_cache_dtype, num_kv_heads)
+    per_head = np.int32(max(k[2], v[2]))
+    if per_head and (k[0] is None or v[0] is None or k[0].size != v[0].size):
+        raise ValueError("k_scale and v_scale must both be per-head arrays when one of them is")
+    return k[0], v[0], k[1], v[1], per_head
 
 
 def check_slot_mapping(slot_mapping, num_tokens: int) -> None:

@@ -11,6 +11,7 @@ from cupaged._cache_args import (
     check_slot_mapping,
     check_slots_in_pool,
     kernel_scalar_type,
+    kv_scale_args,
     scale_args,
 )
 from cupaged._checks import (
@@ -85,15 +86,6 @@ def _check_cache_dtype(name, cache, want, kv_cache_dtype):
         raise TypeError(f"{name} must have dtype {want} for kv_cache_dtype={kv_cache_dtype!r}, got {cache.dtype}")
 
 
-def _scales(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):
-    k = scale_args("k_scale", k_scale, xp, kv_cache_dtype, num_kv_heads)
-    v = scale_args("v_scale", v_scale, xp, kv_cache_dtype, num_kv_heads)
-    per_head = np.int32(max(k[2], v[2]))
-    if per_head and (k[0] is None or v[0] is None or k[0].size != v[0].size):
-        raise ValueError("k_scale and v_scale must both be per-head arrays when one of them is")
-    return (k[0], v[0], k[1], v[1], per_head)
-
-
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
                             k_scale=1.0, v_scale=1.0, *, layout="NHD", validate=None):
     """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into flash-layout caches.
@@ -128,7 +120,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     if element_strides("value_cache", value_cache) != cache_strides:
         raise ValueError(f"value_cache must have key_cache's strides {tuple(key_cache.strides)}, "
                          f"got {tuple(value_cache.strides)}")
-    scales = _scales(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
+    scales = kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[page_axis]
     if validate_enabled(validate):
         check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
@@ -175,7 +167,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
         raise ValueError(f"value_cache must be [{num_blocks}, {num_kv_heads}, {head_size}, {block_size}], "
                          f"got shape {tuple(value_cache.shape)}")
     check_slot_mapping(slot_mapping, num_tokens)
-    scales = _scales(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
+    scales = kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
     if validate_enabled(validate):
         check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
     if num_tokens == 0 or num_kv_heads * head_size == 0:

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from cupaged._attention_args import check_caches, check_head_vector, check_out, check_q, check_tables
-from cupaged._cache_args import KV_CODE, scale_args
+from cupaged._cache_args import KV_CODE, kv_scale_args
 from cupaged._checks import CTYPE, address, element_strides, validate_enabled
 from cupaged._runtime import KernelFamily, array_module, struct_arg
 
@@ -82,7 +82,7 @@ def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_
         hd, vhd = MLA_BUCKET
     else:
         hd = vhd = next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size))
-    k_ptr, v_ptr, ksv, vsv, per_head = _scale_pair(xp, kv_cache_dtype, k_scale, v_scale, caches["kv_heads"])
+    k_ptr, v_ptr, ksv, vsv, per_head = kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, caches["kv_heads"])
     p = np.zeros((), PARAMS)
     qs, os_ = element_strides("q", q), element_strides("out", out)
     table_stride = 0 if block_tables is None else element_strides("block_tables", block_tables)[0]
@@ -112,14 +112,6 @@ def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_
         reduce((num_tokens, num_heads), (THREADS,), (out, lse, max_logits, exp_sums, tmp_output, seq_lens,
                                                       np.int32(block_tables is None), query_start_loc, sinks, struct_arg(p, xp),
                                                       np.int32(num_seqs)))
-
-
-def _scale_pair(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):
-    k = scale_args("k_scale", k_scale, xp, kv_cache_dtype, num_kv_heads)
-    v = scale_args("v_scale", v_scale, xp, kv_cache_dtype, num_kv_heads)
-    if max(k[2], v[2]) and (k[0] is None or v[0] is None or k[0].size != v[0].size):
-        raise ValueError("k_scale and v_scale must both be per-head arrays when one of them is")
-    return k[0], v[0], k[1], v[1], max(k[2], v[2])
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
