@@ -28,8 +28,6 @@
 
 namespace cupaged {
 
-__device__ __forceinline__ float merge_neg_inf() { return __int_as_float(0xff800000); }
-
 // One 16-byte pack of T: a single vector access when VEC, else PACK scalar accesses.
 template <class T, bool VEC>
 __device__ __forceinline__ Vec<T, int(16 / sizeof(T))> load_pack(const T* p) {
@@ -88,10 +86,10 @@ __global__ void __launch_bounds__(256) merge_attn_states_kernel(
 
   const bool no_prefix = token >= prefill_tokens_with_context;
   const float raw_s = s;
-  p = isinf(p) ? merge_neg_inf() : p;
-  s = isinf(s) ? merge_neg_inf() : s;
+  p = isinf(p) ? neg_inf() : p;
+  s = isinf(s) ? neg_inf() : s;
   const float m = fmaxf(p, s);
-  const bool both_empty = m == merge_neg_inf();
+  const bool both_empty = m == neg_inf();
   float w_p = 1.0f, w_s = 0.0f, lse = m;
   if (!no_prefix && !both_empty) {
     const float e_p = expf(p - m), e_s = expf(s - m), total = e_p + e_s;

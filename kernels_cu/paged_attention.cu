@@ -42,7 +42,6 @@ constexpr int PA_THREADS = 128;  // 4 warps
 constexpr int PA_ROWS = 16;      // query rows (token, head) per CTA
 constexpr int PA_TILE = 32;      // keys per shared-memory tile (one per lane in the softmax)
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // Dynamic shared memory of a CTA, in floats.
 template <int HD, int VHD, bool SHARED_KV>
