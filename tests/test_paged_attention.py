@@ -143,6 +143,8 @@ COVERING = [
     *(C(heads=(4, 2), head_size=hs, block_size=bs, seqs=SHAPE_DECODE if hs <= 80 else SMALL)
       for hs, bs in ((32, 1), (64, 5), (80, 16), (256, 32), (256, 5))),
     C(heads=(4, 4), head_size=32, block_size=1, seqs=((1, 1), (2, 2), (9, 40))),
+    C(heads=(4, 2), head_size=64, block_size=256, seqs=((1, 255), (3, 256), (2, 600))),
+    C(heads=(4, 2), head_size=128, block_size=64, seqs=((1, 65), (5, 129)), kv_cache_dtype="fp8", layout="HND"),
     # decode shapes
     C(seqs=SHAPE_DECODE), C(seqs=SHAPE_DECODE, layout="HND", dtype=F32),
     C(seqs=SHAPE_DECODE, dtype=BF16, kv_split_size=256),
@@ -209,6 +211,22 @@ def test_split_and_no_split_agree(backend):
     for out, lse in outs[1:]:
         assert_close(out, outs[0][0].astype(np.float64), F16, "out")
         assert_close(lse, outs[0][1], "lse", "lse")
+
+
+def test_strided_q_and_out_views(backend):
+    """q as a slice of a fused QKV buffer and out as a slice of a wider buffer (any token stride)."""
+    case = C(seqs=((1, 50), (4, 30)), heads=(4, 2), head_size=64)
+    inputs, options, (ref_out, ref_lse) = build(case)
+    fused = np.zeros((5, 8 * 64), F16)
+    fused[:, :4 * 64] = inputs["q"].reshape(5, -1)
+    q = backend.asarray(fused)[:, :4 * 64].reshape(5, 4, 64)
+    wide = backend.asarray(np.full((5, 6, 64), np.nan, F16))
+    args = {k: (None if v is None else backend.asarray(v)) for k, v in inputs.items() if k != "q"}
+    out, lse = cupaged.paged_attention(q, **args, **options, out=wide[:, 1:5], return_lse=True)
+    got = backend.to_numpy(wide)
+    assert_close(got[:, 1:5], ref_out, F16)
+    assert np.isnan(got[:, [0, 5]].astype(np.float32)).all(), "out's neighbours were written"
+    assert_close(backend.to_numpy(lse), ref_lse, "lse", "lse")
 
 
 def test_hints_and_caller_buffers(backend):
