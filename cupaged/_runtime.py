@@ -99,12 +99,20 @@ def _cuda_module(device, source, options, names):
 
     from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
 
-    try:
-        includes = tuple(f"-I{d}" for d in cuda_include_dirs())
-    except CudaNotFoundError:
-        includes = ()  # CuPy finds the toolkit headers itself
     with cupy.cuda.Device(device):
+        major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+        try:
+            includes = tuple(f"-I{d}" for d in matching_include_dirs(cuda_include_dirs(), major))
+        except CudaNotFoundError:
+            includes = ()
         return cupy.RawModule(code=source, options=options + includes, name_expressions=names)
+
+
+def matching_include_dirs(dirs, cuda_major: int) -> tuple[str, ...]:
+    """The header directories of pip wheels built for ``cuda_major`` (``.../nvidia/cu13/include``).
+    Headers of another CUDA major (the sim extra pins 13.x) would not match CuPy's NVRTC, and a
+    system toolkit's are CuPy's to find: CuPy locates the headers of its own CUDA itself."""
+    return tuple(d for d in dirs if f"cu{cuda_major}" in os.path.normpath(d).split(os.sep))
 
 
 def array_module(**arrays):

@@ -93,3 +93,12 @@ def test_struct_arg_for_each_backend(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy.cuda", types.ModuleType("cupy.cuda"))
     monkeypatch.setitem(sys.modules, "cupy.cuda.function", function)
     assert struct_arg(value, sys.modules["cupy"]) == ("CPointer", value.ctypes.data)
+
+
+def test_cuda_path_passes_only_headers_of_cupys_cuda_major():
+    from cupaged._runtime import matching_include_dirs
+
+    dirs = ("/v/site-packages/nvidia/cu13/include", "/v/site-packages/nvidia/cu13/include/cccl",
+            "/usr/local/cuda/include")
+    assert matching_include_dirs(dirs, 13) == dirs[:2]
+    assert matching_include_dirs(dirs, 12) == ()
