@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["CTYPE", "FLOAT_DTYPES", "check_ndim", "check_dtype", "check_last_contiguous",
-           "element_strides", "address", "validate_enabled", "check_choice"]
+           "element_strides", "address", "validate_enabled", "check_choice", "check_int"]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 CTYPE = {  # numpy dtype -> C++ type in name expressions
@@ -59,3 +59,12 @@ def validate_enabled(validate) -> bool:
     if validate is None:
         return os.environ.get("CUPAGED_VALIDATE", "") not in ("", "0")
     return bool(validate)
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """An int (not a bool) of at least ``minimum``, as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)

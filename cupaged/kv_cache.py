@@ -11,29 +11,24 @@ from __future__ import annotations
 import numpy as np
 
 from cupaged import sim
-from cupaged._checks import FLOAT_DTYPES, check_choice
+from cupaged._cache_args import cache_dtype
+from cupaged._checks import FLOAT_DTYPES, check_choice, check_int
 from cupaged._plan import resolve_array_module
 
 __all__ = ["KVCache"]
 
 LAYOUTS = ("NHD", "HND", "vllm")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+    return check_int(name, value, 1)
 
 
 def _cache_dtype(dtype, kv_cache_dtype) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
-    return dtype if kv_cache_dtype == "auto" else np.dtype(np.uint8)
+    return cache_dtype(kv_cache_dtype, dtype)
 
 
 class KVCache:

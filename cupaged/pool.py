@@ -25,6 +25,7 @@ import dataclasses
 import numpy as np
 
 from cupaged._allocator import BlockAllocator, OutOfBlocks
+from cupaged._checks import check_int
 from cupaged._plan import BatchPlan, PinnedStaging
 from cupaged._pool_state import SequenceTable
 
@@ -56,11 +57,7 @@ class _Request:
 
 
 def _count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return check_int(name, value, 0)
 
 
 def _token_ids(name: str, token_ids) -> np.ndarray:

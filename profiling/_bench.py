@@ -58,7 +58,10 @@ def time_gpu(cp, fn, reps=20, warmup=3, flush_bytes=256 << 20):
     return np.array(times)
 
 
-def time_cpu(fn, reps=3):
+def time_cpu(fn, reps=3, warmup=0):
+    """Per-call milliseconds of fn() on the CPU, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()

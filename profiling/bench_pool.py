@@ -18,11 +18,14 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one CPU core, as the target says
 
-import time  # noqa: E402
+import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from cupaged.pool import BlockPool  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402
+
+from cupaged import BlockPool  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_SEQS, CONTEXT = 256, 2048
@@ -45,14 +48,7 @@ def decode_pool(rng, prefix_caching=False):
 def per_step_us(fn, steps=STEPS, warmup=20):
     """Microseconds per call, after ``warmup`` untimed calls (the first builds the decode mirror
     and touches fresh memory)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e6)
-    return np.array(times)
+    return _bench.time_cpu(fn, reps=steps, warmup=warmup) * 1e3
 
 
 def row(label, version, us, target=None):
