@@ -7,19 +7,27 @@ CuPy ``RawModule`` (NVRTC) for cupy arrays, :mod:`cupaged.sim` (g++) for numpy a
 memoized per (device, source, options, name expressions). Both launchers share CuPy's call
 convention ``kernel(grid, block, args, shared_mem=n)``; launches go to CuPy's current stream and
 never synchronize.
+
+A compile is announced on stderr, since the first call of a family can take a minute: the sim
+prints a line while g++ runs (a miss in its cache), the cuda path one after NVRTC took at least
+CUDA_NOTICE_S seconds (CuPy's own cache hits are fast). ``CUPAGED_QUIET=1`` silences them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import sys
 import threading
+import time
 
 import numpy as np
 
-__all__ = ["KernelFamily", "families", "array_module", "kernels_dir", "struct_arg"]
+__all__ = ["KernelFamily", "families", "array_module", "kernels_dir", "struct_arg", "quiet", "compile_notice"]
+
+CUDA_NOTICE_S = 1.0
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.M)
 _FAMILIES: dict[str, "KernelFamily"] = {}
@@ -73,10 +81,11 @@ class KernelFamily:
         """The launchable kernel ``name`` (one of the name expressions) for array module ``xp``."""
         if name not in self.name_expressions:
             raise KeyError(f"{name!r} is not a name expression of kernels_cu/{self.stem}.cu")
+        label = f"kernels_cu/{self.stem}.cu"
         if xp is np:
-            return _sim_module(self.source, self.options, self.name_expressions).get_function(name)
+            return _sim_module(self.source, self.options, self.name_expressions, label).get_function(name)
         device = xp.cuda.Device().id
-        return _cuda_module(device, self.source, self.options, self.name_expressions).get_function(name)
+        return _cuda_module(device, self.source, self.options, self.name_expressions, label).get_function(name)
 
 
 def families() -> list[KernelFamily]:
@@ -86,15 +95,37 @@ def families() -> list[KernelFamily]:
     return [_FAMILIES[k] for k in sorted(_FAMILIES)]
 
 
+def quiet() -> bool:
+    """True when ``CUPAGED_QUIET`` is set (to anything but 0): no notices or progress on stderr."""
+    return os.environ.get("CUPAGED_QUIET", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def compile_notice(what: str):
+    """``cupaged: compiling WHAT ... 12.3 s`` on stderr around a compile; the line is finished
+    (``failed after 3.1 s``) when the compile raises."""
+    if quiet():
+        yield
+        return
+    print(f"cupaged: compiling {what} ...", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(f" failed after {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        raise
+    print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 @functools.lru_cache(maxsize=None)
-def _sim_module(source, options, names):
+def _sim_module(source, options, names, label):
     from cupaged import sim
 
-    return sim.RawModule(code=source, options=options, name_expressions=names)
+    return sim.RawModule(code=source, options=options, name_expressions=names, label=label)
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_module(device, source, options, names):
+def _cuda_module(device, source, options, names, label):
     import cupy
 
     from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
@@ -105,7 +136,15 @@ def _cuda_module(device, source, options, names):
             includes = tuple(f"-I{d}" for d in matching_include_dirs(cuda_include_dirs(), major))
         except CudaNotFoundError:
             includes = ()
-        return cupy.RawModule(code=source, options=options + includes, name_expressions=names)
+        start = time.perf_counter()
+        module = cupy.RawModule(code=source, options=options + includes, name_expressions=names)
+        module.compile()  # CuPy compiles lazily: here, so the time is the compile's
+        took = time.perf_counter() - start
+        if took >= CUDA_NOTICE_S and not quiet():
+            arch = f"sm_{cupy.cuda.Device(device).compute_capability}"
+            print(f"cupaged: compiled {label} for {arch} (NVRTC, {len(names)} kernels) in {took:.1f} s",
+                  file=sys.stderr, flush=True)
+        return module
 
 
 def matching_include_dirs(dirs, cuda_major: int) -> tuple[str, ...]:

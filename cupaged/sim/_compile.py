@@ -6,14 +6,14 @@ CuPy's name expressions). Every ``extern __shared__`` array is an undefined TLS 
 compiling; a generated assembly file defines each as an alias of one page-aligned TLS buffer, so
 they share one base address as on the GPU.
 
-The cache (``$CUPAGED_CACHE_DIR``, else ``$XDG_CACHE_HOME/cupaged``, else ``~/.cache/cupaged``)
-holds code this process will load: the directory is created 0700, must be owned by the current
-user and not writable by others, objects are written to a temp file and renamed into place, and a
-file not owned by the current user is never loaded.
+Objects live in the ``sim`` directory of the per-user cache (see ``_cache.py``), keyed by the
+shim, the source, the options, the names and the compiler's identity; an object is cached only
+after it has loaded, so a broken one is never served again.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 
 from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
+from cupaged._runtime import compile_notice
+from cupaged.sim._cache import cache_dir, usable
 from cupaged.sim._errors import SimCompileError
 
 INCLUDE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
@@ -31,44 +33,38 @@ CXXFLAGS = (
     "-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-extern-tls-init",
     "-ftrivial-auto-var-init=pattern", "-fstack-clash-protection", "-fvisibility=hidden", "-w",
 )
+MIN_GCC = 12
 _PASS_OPTION = re.compile(r"^(-D|-U|-I|-std=)")
 
 
-def cache_dir() -> str:
-    root = os.environ.get("CUPAGED_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "cupaged")
-    path = os.path.join(root, "sim")
-    # os.makedirs applies `mode` to the leaf only: the root it creates got 0777 & ~umask, which under
-    # a umask of 002 is group-writable, and the check below then refused the cache it had just made.
-    os.makedirs(os.path.dirname(os.path.abspath(root)), exist_ok=True)
-    for d in (root, path):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
-    for d in (root, path):
-        st = os.stat(d)
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise SimCompileError(
-                f"refusing to use the compile cache {d}: it must be owned by uid {os.getuid()} and "
-                "not writable by group or others (set CUPAGED_CACHE_DIR to a private directory)")
-    return path
+def _output(cmd) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return r.stdout + r.stderr
 
 
 @functools.lru_cache(maxsize=None)
 def compiler() -> tuple[str, str]:
-    """(path, version) of the C++ compiler ($CXX or g++), which must be g++ >= 12."""
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    """(path, identity) of the C++ compiler ($CXX or g++), which must be a g++ driver of GCC >= 12.
+
+    The identity (resolved path, target triple, full ``--version`` text) keys the compile cache, so
+    objects of two compilers never mix.
+    """
+    name = os.environ.get("CXX") or "g++"
+    what = f"CXX={name}" if os.environ.get("CXX") else "g++"
+    cxx = shutil.which(name)
     if cxx is None:
-        raise SimCompileError("the sim backend needs g++ >= 12 on PATH (e.g. apt-get install g++)")
-    version = subprocess.run([cxx, "-dumpfullversion"], capture_output=True, text=True).stdout.strip()
-    try:
-        major = int(version.split(".")[0])
-    except ValueError:
-        major = 0
-    if major < 12:
-        raise SimCompileError(f"the sim backend needs g++ >= 12; {cxx} is version {version or 'unknown'}")
-    return cxx, version
+        raise SimCompileError(f"the sim backend needs g++ >= {MIN_GCC}: {what} is not on PATH "
+                              "(e.g. apt-get install g++, or set CXX to a g++)")
+    macros = dict(re.findall(r"^#define (\w+) (.*)$", _output([cxx, "-dM", "-E", "-x", "c++", os.devnull]), re.M))
+    gnuc = int(macros.get("__GNUC__", "0"))
+    if "__clang__" in macros or gnuc < MIN_GCC:
+        found = "clang" if "__clang__" in macros else f"GCC {gnuc}" if gnuc else "not GCC"
+        raise SimCompileError(f"the sim backend needs g++ >= {MIN_GCC}; {what} ({cxx}) is {found}")
+    if "-lstdc++" not in _output([cxx, "-###", "-x", "c++", "-shared", os.devnull, "-o", os.devnull]):
+        raise SimCompileError(f"{what} ({cxx}) is a C compiler driver: it does not link the C++ runtime, so the "
+                              f"sim's modules would not load; set CXX to g++ (>= {MIN_GCC}) or unset it")
+    identity = "\n".join([os.path.realpath(cxx), _output([cxx, "-dumpmachine"]), _output([cxx, "--version"])])
+    return cxx, identity
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,48 +119,72 @@ def _run(cmd, what):
         raise SimCompileError(f"{what} failed ({' '.join(cmd[:1])} exit {r.returncode}):\n{r.stderr}{r.stdout}")
 
 
-def build(code: str, options, names) -> tuple[str, int, int]:
-    """Cached shared object for (code, options, names): (path, static shared bytes, offset of the
-    dynamic shared buffer in the module's TLS segment)."""
-    cxx, version = compiler()
+def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.CDLL, int, int]:
+    """The loaded shared object for (code, options, names), from the cache or compiled now:
+    (library, static shared bytes, offset of the dynamic shared buffer in the module's TLS segment).
+
+    A compile prints a notice on stderr naming ``label`` (default: the source's line count)."""
+    cxx, identity = compiler()
     try:
         cuda_inc = list(cuda_include_dirs())
     except CudaNotFoundError as e:
         raise SimCompileError(str(e)) from None
     passed = [o for o in options if _PASS_OPTION.match(o)]
     key = hashlib.sha256("\0".join(
-        [_shim_text(), code, *passed, "|", *names, "|", version, *CXXFLAGS, *cuda_inc]).encode()).hexdigest()[:32]
-    d = cache_dir()
+        [_shim_text(), code, *passed, "|", *names, "|", identity, *CXXFLAGS, *cuda_inc]).encode()).hexdigest()[:32]
+    d = cache_dir("sim")
     so = os.path.join(d, key + ".so")
     meta = os.path.join(d, key + ".smem")
-    if _usable(so) and _usable(meta):
-        with open(meta) as f:
-            static_smem, dyn_offset = (int(x) for x in f.read().split())
-        return so, static_smem, dyn_offset
-    with tempfile.TemporaryDirectory(dir=d) as tmp:
-        src = os.path.join(tmp, "kernel.cu")
-        with open(src, "w", encoding="utf-8") as f:
-            f.write(code + "\n\n// ---- generated launch wrappers\n" + _wrappers(names))
-        flags = [*CXXFLAGS, *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
-                 *(f"-I{i}" for i in cuda_inc), "-include", "cupaged_sim.h"]
-        obj = os.path.join(tmp, "kernel.o")
-        _run([cxx, *flags, "-x", "c++", "-c", src, "-o", obj], "compiling the kernel source for the sim")
-        aliases, static_smem = _tls_symbols(cxx, obj)
-        asm = os.path.join(tmp, "smem.s")
-        with open(asm, "w") as f:
-            f.write(_smem_asm(aliases))
-        out = os.path.join(tmp, "module.so")
-        _run([cxx, "-shared", "-o", out, obj, asm, "-ldl"], "linking the sim module")
-        dyn_offset = _dyn_offset(out)
-        with open(os.path.join(tmp, "smem"), "w") as f:
-            f.write(f"{static_smem} {dyn_offset}")
-        # The linker and open() honour the umask; a group-writable object would be deleted by
-        # _usable() at the next lookup (under umask 002 the cache never hit): set the modes here.
-        os.chmod(out, 0o700)
-        os.chmod(os.path.join(tmp, "smem"), 0o600)
-        os.replace(out, so)
-        os.replace(os.path.join(tmp, "smem"), meta)
-    return so, static_smem, dyn_offset
+    if usable(so) and usable(meta):
+        try:
+            lib = _load(so)
+        except OSError:  # e.g. a system library it needs changed since: build it again
+            os.unlink(so)
+        else:
+            with open(meta) as f:
+                static_smem, dyn_offset = (int(x) for x in f.read().split())
+            return lib, static_smem, dyn_offset
+    label = label or f"a {code.count(chr(10)) + 1}-line CUDA source"
+    plural = "" if len(names) == 1 else "s"
+    with compile_notice(f"{label} for the sim ({os.path.basename(cxx)}, {len(names)} kernel{plural})"):
+        with tempfile.TemporaryDirectory(dir=d) as tmp:
+            lib, static_smem, dyn_offset = _compile(cxx, tmp, code, passed, names, cuda_inc)
+            os.replace(os.path.join(tmp, "module.so"), so)
+            os.replace(os.path.join(tmp, "smem"), meta)
+    return lib, static_smem, dyn_offset
+
+
+def _compile(cxx, tmp, code, passed, names, cuda_inc):
+    """Compile and link into ``tmp`` (module.so and smem) and load the object from there."""
+    src = os.path.join(tmp, "kernel.cu")
+    with open(src, "w", encoding="utf-8") as f:
+        f.write(code + "\n\n// ---- generated launch wrappers\n" + _wrappers(names))
+    flags = [*CXXFLAGS, *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
+             *(f"-I{i}" for i in cuda_inc), "-include", "cupaged_sim.h"]
+    obj = os.path.join(tmp, "kernel.o")
+    _run([cxx, *flags, "-x", "c++", "-c", src, "-o", obj], "compiling the kernel source for the sim")
+    aliases, static_smem = _tls_symbols(cxx, obj)
+    asm = os.path.join(tmp, "smem.s")
+    with open(asm, "w") as f:
+        f.write(_smem_asm(aliases))
+    out = os.path.join(tmp, "module.so")
+    _run([cxx, "-shared", "-o", out, obj, asm, "-ldl"], "linking the sim module")
+    dyn_offset = _dyn_offset(out)
+    with open(os.path.join(tmp, "smem"), "w") as f:
+        f.write(f"{static_smem} {dyn_offset}")
+    # The linker and open() honour the umask; a group-writable object would be deleted by
+    # usable() at the next lookup (under umask 002 the cache never hit): set the modes here.
+    os.chmod(out, 0o700)
+    os.chmod(os.path.join(tmp, "smem"), 0o600)
+    try:
+        lib = _load(out)
+    except OSError as e:
+        raise SimCompileError(f"the sim module linked by {cxx} does not load, so it was not cached: {e}") from None
+    return lib, static_smem, dyn_offset
+
+
+def _load(path: str) -> ctypes.CDLL:
+    return ctypes.CDLL(path, mode=os.RTLD_LOCAL)
 
 
 def _dyn_offset(so: str) -> int:
@@ -175,15 +195,3 @@ def _dyn_offset(so: str) -> int:
         if len(f) >= 8 and f[3] == "TLS" and f[7] == "__cupaged_dyn_smem":
             return int(f[1], 16)
     raise SimCompileError(f"{so}: the dynamic shared memory symbol is missing")
-
-
-def _usable(path: str) -> bool:
-    """Exists and is ours; a file of another user is deleted (it lives in our 0700 directory)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        os.unlink(path)
-        return False
-    return True

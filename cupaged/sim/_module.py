@@ -100,9 +100,11 @@ def _param_names(code: str, name: str) -> list[str] | None:
 
 
 class RawModule:
-    """``cupaged.sim.RawModule(code=..., options=(), name_expressions=())``, like cupy.RawModule."""
+    """``cupaged.sim.RawModule(code=..., options=(), name_expressions=())``, like cupy.RawModule.
 
-    def __init__(self, code: str, options=(), name_expressions=()):
+    ``label`` names the source in the notice printed while g++ compiles it (a cache miss)."""
+
+    def __init__(self, code: str, options=(), name_expressions=(), *, label: str | None = None):
         self.code = code
         self.options = tuple(options)
         self.name_expressions = tuple(name_expressions)
@@ -114,8 +116,7 @@ class RawModule:
             if m.group(1) not in names:
                 names.append(m.group(1))
         self._names = names
-        so, self.static_shared_bytes, self.tls_dyn_offset = _compile.build(code, self.options, names)
-        self._lib = ctypes.CDLL(so, mode=os.RTLD_LOCAL)
+        self._lib, self.static_shared_bytes, self.tls_dyn_offset = _compile.build(code, self.options, names, label)
         self._lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
         self._kernels = {}
 
