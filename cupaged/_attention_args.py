@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._cache_args import cache_dtype, check_index
-from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_last_contiguous, check_ndim, \
-    element_strides
+from cupaged._cache_args import cache_dtype, check_index, host_copy
+from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_float, check_last_contiguous, \
+    check_ndim, element_strides
 
-__all__ = ["check_q", "check_caches", "check_tables", "check_head_vector", "check_out", "MAX_HEAD_SIZE"]
+__all__ = ["check_q", "check_caches", "check_tables", "check_head_vector", "check_out", "check_softcap",
+           "validate_tables", "check_hint", "MAX_HEAD_SIZE"]
 
 MAX_HEAD_SIZE = 256
 
@@ -129,3 +130,52 @@ def check_out(out, like, name, shape=None):
         raise TypeError(f"{name} must have dtype {like.dtype}, got {out.dtype}")
     check_last_contiguous(name, out)
     return out
+
+
+def check_softcap(softcap) -> float | None:
+    """None or 0 (FlashAttention's and vLLM's "off"): no soft-capping; else a finite float > 0."""
+    if softcap is None:
+        return None
+    value = check_float("softcap", softcap)
+    if value < 0:
+        raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
+    return value or None
+
+
+def check_hint(name: str, hint, actual: int, what: str) -> None:
+    """validate=True: a host-side hint must not understate the contents (it sizes the grid)."""
+    if hint is not None and hint < actual:
+        raise ValueError(f"{name}={hint} understates {what} = {actual}")
+
+
+def validate_tables(block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens, *,
+                    max_query_len=None, max_seq_len=None):
+    """validate=True: the contents of a paged call's index arrays and its hints (reads device arrays)."""
+    lens = host_copy(seq_lens).astype(np.int64)
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"seq_lens must be >= 0, got seq_lens[{lens.argmin()}] = {lens.min()}")
+    if query_start_loc is not None:
+        qsl = host_copy(query_start_loc).astype(np.int64)
+        if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] != num_tokens:
+            raise ValueError(f"query_start_loc must start at 0, be non-decreasing and end at num_tokens={num_tokens}")
+        q_lens = np.diff(qsl)
+        if np.any(q_lens > lens):
+            s = int(np.argmax(q_lens > lens))
+            raise ValueError(f"every sequence needs q_len <= seq_len (query_start_loc against seq_lens): sequence "
+                             f"{s} has {q_lens[s]} queries and seq_lens[{s}] = {lens[s]}")
+        if q_lens.size:
+            check_hint("max_query_len", max_query_len, int(q_lens.max()),
+                       f"the longest query, sequence {int(q_lens.argmax())}'s")
+    if lens.size:
+        check_hint("max_seq_len", max_seq_len, int(lens.max()), f"seq_lens[{int(lens.argmax())}]")
+    need = -(-lens // block_size)
+    table = host_copy(block_tables)
+    if need.size and need.max() > table.shape[1]:
+        s = int(need.argmax())
+        raise ValueError(f"seq_lens[{s}] = {lens[s]} needs {need[s]} blocks, but block_tables has {table.shape[1]} "
+                         "columns")
+    for s, n in enumerate(need):
+        ids = table[s, :n]
+        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            raise ValueError(f"block_tables[{s}] holds block id {bad}, outside the pool of {num_blocks} blocks")

@@ -9,7 +9,7 @@ import numpy as np
 from cupaged._checks import CTYPE, FLOAT_DTYPES, check_choice, check_dtype, check_ndim
 
 __all__ = ["KV_CACHE_DTYPES", "KV_CODE", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
-           "host_copy", "kernel_scalar_type"]
+           "host_copy", "kernel_scalar_type", "check_scale_values"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CODE = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}  # KvDtype in kernels_cu/common.cuh
@@ -69,6 +69,18 @@ def kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):
     if per_head and (k[0] is None or v[0] is None or k[0].size != v[0].size):
         raise ValueError("k_scale and v_scale must both be per-head arrays when one of them is")
     return k[0], v[0], k[1], v[1], per_head
+
+
+def check_scale_values(kv_cache_dtype: str, **scales) -> None:
+    """validate=True: scale arrays hold finite values > 0, as a scalar scale must (reads device arrays)."""
+    if kv_cache_dtype == "auto":
+        return
+    for name, scale in scales.items():
+        if hasattr(scale, "dtype"):
+            values = host_copy(scale).reshape(-1)
+            bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
+            if bad.size:
+                raise ValueError(f"{name} must hold finite values > 0, got {name}[{bad[0]}] = {values[bad[0]]}")
 
 
 def check_slot_mapping(slot_mapping, num_tokens: int) -> None:

@@ -3,13 +3,16 @@ what came (DESIGN.md §5). Nothing here reads the contents of a device array."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
 import ml_dtypes
 import numpy as np
 
 __all__ = ["CTYPE", "FLOAT_DTYPES", "check_ndim", "check_dtype", "check_last_contiguous",
-           "element_strides", "address", "validate_enabled", "check_choice", "check_int"]
+           "element_strides", "address", "validate_enabled", "check_choice", "check_int", "check_optional_int",
+           "check_bool", "check_float", "check_writable"]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 CTYPE = {  # numpy dtype -> C++ type in name expressions
@@ -58,13 +61,43 @@ def validate_enabled(validate) -> bool:
     """Content checks run with validate=True, or CUPAGED_VALIDATE=1 when validate is None."""
     if validate is None:
         return os.environ.get("CUPAGED_VALIDATE", "") not in ("", "0")
-    return bool(validate)
+    return check_bool("validate", validate)
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """An int (not a bool) of at least ``minimum``, as a Python int."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
+    """An int (not a bool) in [minimum, maximum], as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
+
+
+def check_optional_int(name: str, value, minimum: int, maximum: int = 2**31 - 1) -> int | None:
+    """None, or an int in [minimum, maximum] (a kernel's int32 by default)."""
+    return None if value is None else check_int(name, value, minimum, maximum)
+
+
+def check_bool(name: str, value) -> bool:
+    """A bool (numpy's too; 0 and 1 pass as False and True)."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_float(name: str, value, *, positive: bool = False) -> float:
+    """A finite real number (Python or numpy scalar, not a bool or an array), as a Python float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} float, got {value}")
+    return value
+
+
+def check_writable(name: str, a) -> None:
+    """An array the op writes must not be a read-only numpy view (it would silently stay unwritten)."""
+    if a is not None and isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only, but the op writes it: pass a writable array")

@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
-    element_strides
+    check_writable, element_strides
 from cupaged._runtime import KernelFamily, array_module
 
 __all__ = ["merge_attn_states"]
@@ -83,11 +83,6 @@ def _check_no_overlap(arrays, in_place):
                                  f"as prefix_lse or suffix_lse)")
 
 
-def _check_writable(name, a):
-    if a is not None and not getattr(a.flags, "writeable", True):
-        raise ValueError(f"{name} is read-only: it is written in place")
-
-
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None):
     """vLLM's ``merge_attn_states``: write the merge of two partial attention states into ``output``.
@@ -129,8 +124,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     elif not 0 <= prefill_tokens_with_context <= num_tokens:
         raise ValueError(f"prefill_tokens_with_context must be in [0, num_tokens={num_tokens}], got "
                          f"{prefill_tokens_with_context}")
-    _check_writable("output", output)
-    _check_writable("output_lse", output_lse)
+    check_writable("output", output)
+    check_writable("output_lse", output_lse)
     _check_no_overlap(arrays, {("output", "prefix_output"), ("output", "suffix_output"),
                                ("output_lse", "prefix_lse"), ("output_lse", "suffix_lse")})
     rows = num_tokens * num_heads

@@ -5,28 +5,40 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._attention_args import check_out, check_q, check_tables
-from cupaged._cache_args import cache_dtype, host_copy, scale_args
-from cupaged._checks import address, check_last_contiguous, check_ndim, element_strides, validate_enabled
+from cupaged._attention_args import check_out, check_q, check_tables, validate_tables
+from cupaged._cache_args import cache_dtype, check_index, check_scale_values, host_copy, scale_args
+from cupaged._checks import address, check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
+    check_optional_int, check_writable, element_strides, validate_enabled
 from cupaged._runtime import array_module
-from cupaged.paged_attention import MLA_BUCKET, ROWS, _validate_contents, choose_split, launch
+from cupaged.paged_attention import MLA_BUCKET, ROWS, choose_split, launch
 
 __all__ = ["mla_decode", "mla_chunked_prefill"]
 
 
-def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale, kv_cache_dtype="auto", k_scale=1.0,
-               kv_split_size=None, max_seq_len=None, out=None, return_lse=False, validate=None):
+def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=None, kv_cache_dtype="auto",
+               k_scale=1.0, kv_split_size=None, max_seq_len=None, out=None, return_lse=False, validate=None):
     """Decode attention of absorbed queries ``q`` ``[num_seqs, num_heads, kv_lora_rank + rope_dim]``
     over the latent cache ``kv_cache`` ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: the key
     is the whole latent row, the value its first ``kv_lora_rank`` entries (FlashMLA / vLLM MLA
-    decode). All query heads share the one latent head; 16 heads per CTA, the CTAs of one split
-    adjacent so they share the cache bytes in L2. Split-KV with an LSE merge for long contexts (a
-    fixed ``kv_split_size`` is batch-invariant); fp8 caches (uint8) with one ``k_scale``.
+    decode). ``scale`` is required: the softmax scale of the model's un-absorbed heads,
+    1/sqrt(qk_nope_head_dim + qk_rope_head_dim), not of the latent row. All query heads share the
+    one latent head; 16 heads per CTA, the CTAs of one split adjacent so they share the cache bytes
+    in L2. Split-KV with an LSE merge for long contexts (a fixed ``kv_split_size`` is
+    batch-invariant); fp8 caches (uint8) with one ``k_scale``.
     Returns out ``[num_seqs, num_heads, kv_lora_rank]`` (and LSE ``[num_heads, num_seqs]``)."""
     xp = array_module(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    if scale is None:
+        raise TypeError("mla_decode needs scale=: the softmax scale of the model's un-absorbed heads, "
+                        "1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (e.g. 1/sqrt(192) for DeepSeek-V3), "
+                        "not 1/sqrt of the latent row's size")
+    scale = check_float("scale", scale)
     check_ndim("q", q, 3, "[num_seqs, num_heads, kv_lora_rank + rope_dim]")
     num_seqs, num_heads, head_size = q.shape
-    if head_size > MLA_BUCKET[0] or not 0 < kv_lora_rank <= min(MLA_BUCKET[1], head_size):
+    kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, 1)
+    if kv_lora_rank > head_size:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} exceeds q's head size {head_size} (= kv_lora_rank + rope_dim): "
+                         f"pass your model's latent rank, e.g. kv_lora_rank={max(head_size - 64, 1)} for rope_dim 64")
+    if head_size > MLA_BUCKET[0] or kv_lora_rank > MLA_BUCKET[1]:
         raise NotImplementedError(f"kv_lora_rank={kv_lora_rank} with q's head size {head_size}: MLA decode supports "
                                   f"latent rows up to {MLA_BUCKET[0]} and kv_lora_rank up to {MLA_BUCKET[1]}")
     check_q(q[:, :, :1])  # dtype, contiguity, head count
@@ -37,14 +49,22 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale, 
                         f"got {kv_cache.dtype}")
     if kv_cache.shape[2] != head_size:
         raise ValueError(f"kv_cache rows must have q's head size {head_size}, got shape {tuple(kv_cache.shape)}")
+    if kv_cache.shape[0] == 0 or kv_cache.shape[1] == 0:
+        raise ValueError(f"kv_cache must have num_blocks >= 1 and block_size >= 1, got {tuple(kv_cache.shape)}")
     check_last_contiguous("kv_cache", kv_cache)
     if hasattr(k_scale, "size") and k_scale.size != 1:
         raise ValueError(f"k_scale must be one value (the latent cache has one head), got {k_scale.size}")
     check_tables(block_tables, seq_lens, None, num_seqs)
+    kv_split_size = check_optional_int("kv_split_size", kv_split_size, 1)
+    max_seq_len = check_optional_int("max_seq_len", max_seq_len, 0)
+    return_lse = check_bool("return_lse", return_lse)
+    check_writable("out", out)
     out = check_out(out, q, "out", shape=(num_seqs, num_heads, kv_lora_rank))
     lse = xp.empty((num_heads, num_seqs), np.float32) if return_lse else None
     if validate_enabled(validate):
-        _validate_contents(block_tables, seq_lens, None, kv_cache.shape[0], kv_cache.shape[1], num_seqs)
+        validate_tables(block_tables, seq_lens, None, kv_cache.shape[0], kv_cache.shape[1], num_seqs,
+                        max_seq_len=max_seq_len)
+        check_scale_values(kv_cache_dtype, k_scale=k_scale)
     if num_seqs == 0:
         return (out, lse) if return_lse else out
     s = element_strides("kv_cache", kv_cache)
@@ -54,12 +74,10 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale, 
                   k_head_stride=0, k_chunk_stride=x, k_page_stride=s[1], v_block_stride=s[0], v_head_stride=0,
                   v_page_stride=s[1], v_dim_stride=1)
     tiles = -(-num_heads // ROWS)
-    max_kv = int(max_seq_len or block_tables.shape[1] * kv_cache.shape[1])
-    split = int(kv_split_size) if kv_split_size is not None else choose_split(xp, num_seqs * tiles, max_kv)
-    if split < 0 or (kv_split_size is not None and split < 1):
-        raise ValueError(f"kv_split_size must be None or >= 1, got {kv_split_size}")
+    max_kv = max_seq_len or block_tables.shape[1] * kv_cache.shape[1]
+    split = kv_split_size if kv_split_size is not None else choose_split(xp, num_seqs * tiles, max_kv)
     max_splits = max(1, -(-max_kv // split)) if split else 1
-    launch(xp, q, kv_cache, kv_cache, caches, block_tables, seq_lens, None, out, lse, scale=float(scale), causal=True,
+    launch(xp, q, kv_cache, kv_cache, caches, block_tables, seq_lens, None, out, lse, scale=scale, causal=True,
            window=0, sinks=None, alibi=None, softcap=None, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
            v_scale=k_scale, kv_split_size=split if max_splits > 1 else 0, max_splits=max_splits, tiles=tiles, mla=True)
     return (out, lse) if return_lse else out
@@ -67,58 +85,142 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale, 
 
 def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj, *,
                         workspace_tokens=8192, scale=None, kv_cache_dtype="auto", k_scale=1.0, workspace=None,
-                        out=None, return_lse=False):
+                        out=None, return_lse=False, validate=None):
     """MLA prefill of new tokens over an already cached latent context, in bounded memory.
 
     q ``[total_q, num_heads, qk_head_size]``; k_new / v_new ``[total_q, num_kv_heads, qk /
     v_head_size]`` (the new tokens, already up-projected); kv_cache ``[num_blocks, block_size,
     latent]`` holds each sequence's ``context_lens[b]`` cached tokens (host int array; the chunk plan
-    is made on the host) through ``block_tables``. For each chunk of at most ``workspace_tokens``
-    context tokens (over the whole batch): ``gather_and_maybe_dequant_cache`` into the workspace
-    ``[workspace_tokens, latent]`` (q's dtype; allocated when not given), ``up_proj(latent_rows) ->
-    (k, v)`` (caller-supplied: no weights live in cupaged), non-causal ``varlen_attention`` with LSE,
-    merged into the running state with ``merge_attn_states``; finally causal attention over the new
-    tokens, merged last. Returns out ``[total_q, num_heads, v_head_size]`` (and LSE)."""
+    is made on the host) through ``block_tables``. The batch's context tokens, sequence after
+    sequence, are cut into chunks of ``workspace_tokens`` (a chunk may hold the end of one sequence's
+    context and the start of the next's); per chunk: ``gather_and_maybe_dequant_cache`` into the
+    workspace ``[workspace_tokens, latent]`` (q's dtype; allocated when not given), ``up_proj(latent_rows)
+    -> (k, v)`` (caller-supplied: no weights live in cupaged; it must return k ``[n, num_kv_heads,
+    qk_head_size]`` and v ``[n, num_kv_heads, v_head_size]`` in q's dtype), non-causal
+    ``varlen_attention`` with LSE, merged into the running state with ``merge_attn_states``; finally
+    causal attention over the new tokens, merged last. Every input is checked before the first
+    launch. Returns out ``[total_q, num_heads, v_head_size]`` (and LSE)."""
     from cupaged.cache_gather import gather_and_maybe_dequant_cache
     from cupaged.merge_attn_states import merge_attn_states
     from cupaged.varlen_attention import varlen_attention
 
     xp = array_module(q=q, k_new=k_new, v_new=v_new, kv_cache=kv_cache, block_tables=block_tables,
                       cu_seqlens_q=cu_seqlens_q, out=out, workspace=workspace)
-    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, latent]")
-    contexts = host_copy(context_lens).astype(np.int64).reshape(-1)
-    batch = cu_seqlens_q.shape[0] - 1
-    if contexts.shape[0] != batch or (contexts.size and contexts.min() < 0):
-        raise ValueError(f"context_lens must hold batch={batch} values >= 0, got {contexts.shape[0]}")
-    if int(workspace_tokens) < 1:
-        raise ValueError(f"workspace_tokens must be >= 1, got {workspace_tokens}")
-    scale_args("k_scale", k_scale, xp, kv_cache_dtype, None)  # checked up front, even with no context
-    latent, block_size = kv_cache.shape[2], kv_cache.shape[1]
-    if workspace is None:
-        workspace = xp.empty((int(workspace_tokens), latent), q.dtype)
-    elif workspace.ndim != 2 or workspace.shape[1] != latent or workspace.dtype != q.dtype:
-        raise ValueError(f"workspace must be [workspace_tokens, {latent}] of q's dtype {q.dtype}, got "
-                         f"{workspace.dtype} {tuple(workspace.shape)}")
-    chunk = max(1, workspace.shape[0] // max(batch, 1))
-    chunk = chunk // block_size * block_size or chunk  # whole blocks per sequence when the workspace allows
+    plan = _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj,
+                                  workspace_tokens, scale, kv_cache_dtype, k_scale, workspace, out, validate)
+    return_lse = check_bool("return_lse", return_lse)
+    workspace = plan["workspace"] if workspace is None else workspace
+    batch, kv_shapes = plan["batch"], plan["kv_shapes"]
     state = None
-    for start in range(0, int(contexts.max(initial=0)), chunk):
-        lens = np.clip(contexts - start, 0, chunk)
+    for seq_starts, lens in plan["chunks"]:
         cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        token_to_seq = np.repeat(np.arange(batch, dtype=np.int32), lens)
         n = int(cu_k[-1])
         rows = workspace[:n]
-        gather_and_maybe_dequant_cache(kv_cache, rows, block_tables, xp.asarray(cu_k), xp.asarray(token_to_seq), n,
-                                       kv_cache_dtype, k_scale, xp.asarray(np.full(batch, start, np.int32)))
-        k_c, v_c = up_proj(rows)
+        gather_and_maybe_dequant_cache(kv_cache, rows, block_tables, xp.asarray(cu_k),
+                                       xp.asarray(np.repeat(np.arange(batch, dtype=np.int32), lens)), n,
+                                       kv_cache_dtype, k_scale, xp.asarray(seq_starts), validate=False)
+        k_c, v_c = _up_projected(up_proj, rows, n, kv_shapes, q.dtype)
         part = varlen_attention(q, k_c, v_c, cu_seqlens_q, xp.asarray(cu_k), scale=scale, causal=False,
-                                max_seqlen_k=chunk, return_lse=True)
+                                max_seqlen_k=int(lens.max()), return_lse=True, validate=False)
         state = part if state is None else _merge(merge_attn_states, xp, state, part)
     new = varlen_attention(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, scale=scale, causal=True,
-                           out=out if state is None else None, return_lse=True)
+                           out=out if state is None else None, return_lse=True, validate=False)
     if state is not None:
         new = _merge(merge_attn_states, xp, state, new, out=out)
     return new if return_lse else new[0]
+
+
+def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj,
+                           workspace_tokens, scale, kv_cache_dtype, k_scale, workspace, out, validate):
+    """Every argument of mla_chunked_prefill, before the first launch; returns the chunk plan."""
+    total_q, num_heads, qk_head_size = check_q(q)
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        check_ndim(name, a, 3, f"[total_q, num_kv_heads, {'qk' if name == 'k_new' else 'v'}_head_size]")
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
+    if k_new.shape != (total_q, k_new.shape[1], qk_head_size) or v_new.shape[:2] != k_new.shape[:2]:
+        raise ValueError(f"k_new must be [{total_q}, num_kv_heads, {qk_head_size}] and v_new [{total_q}, num_kv_heads, "
+                         f"v_head_size], got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
+    num_kv_heads, v_head_size = k_new.shape[1], v_new.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} (q) must be a multiple of num_kv_heads={num_kv_heads} (k_new)")
+    check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, latent]")
+    want = cache_dtype(kv_cache_dtype, q.dtype)
+    if kv_cache.dtype != want:
+        raise TypeError(f"kv_cache must have dtype {want} for q {q.dtype} and kv_cache_dtype={kv_cache_dtype!r}, "
+                        f"got {kv_cache.dtype}")
+    check_last_contiguous("kv_cache", kv_cache)
+    num_blocks, block_size, latent = kv_cache.shape
+    if block_size == 0 or latent == 0:
+        raise ValueError(f"kv_cache must have block_size >= 1 and latent >= 1, got {tuple(kv_cache.shape)}")
+    check_index("block_tables", block_tables, 2, "[batch, max_blocks_per_seq]")
+    check_index("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 0 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have one row per sequence (batch = len(cu_seqlens_q) - 1 = {batch}), "
+                         f"got {block_tables.shape[0]}")
+    if type(context_lens).__module__.split(".")[0] not in ("numpy", "cupy", "builtins"):
+        raise TypeError(f"context_lens must be a host int array or list, got {type(context_lens).__name__}")
+    contexts = np.asarray(host_copy(context_lens))
+    if contexts.dtype.kind not in "iu" and contexts.size:
+        raise TypeError(f"context_lens must hold ints, got dtype {contexts.dtype}")
+    contexts = contexts.astype(np.int64).reshape(-1)
+    if contexts.shape[0] != batch or (contexts.size and contexts.min() < 0):
+        raise ValueError(f"context_lens must hold batch={batch} values >= 0, got {contexts.tolist()}")
+    if contexts.size and -(-contexts.max() // block_size) > block_tables.shape[1]:
+        raise ValueError(f"context_lens[{int(contexts.argmax())}] = {contexts.max()} needs more blocks than "
+                         f"block_tables' {block_tables.shape[1]} columns")
+    if not callable(up_proj):
+        raise TypeError(f"up_proj must be a callable latent_rows -> (k, v), got {type(up_proj).__name__}")
+    check_int("workspace_tokens", workspace_tokens, 1)
+    if scale is not None:
+        check_float("scale", scale)
+    scale_args("k_scale", k_scale, xp, kv_cache_dtype, None)
+    if workspace is not None:
+        check_writable("workspace", workspace)
+        if workspace.ndim != 2 or workspace.shape[0] < 1 or workspace.shape[1] != latent or workspace.dtype != q.dtype:
+            raise ValueError(f"workspace must be [workspace_tokens >= 1, {latent}] of q's dtype {q.dtype}, got "
+                             f"{workspace.dtype} {tuple(workspace.shape)}")
+        check_last_contiguous("workspace", workspace)
+    check_writable("out", out)
+    if out is not None:
+        check_out(out, q, "out", shape=(total_q, num_heads, v_head_size))
+    if validate_enabled(validate):
+        qsl = host_copy(cu_seqlens_q).astype(np.int64)
+        if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] != total_q:
+            raise ValueError(f"cu_seqlens_q must start at 0, be non-decreasing and end at total_q={total_q}")
+        validate_tables(block_tables, contexts.astype(np.int32), None, num_blocks, block_size, batch)
+        check_scale_values(kv_cache_dtype, k_scale=k_scale)
+    tokens = int(workspace_tokens) if workspace is None else workspace.shape[0]
+    return dict(batch=batch, kv_shapes=((num_kv_heads, qk_head_size), (num_kv_heads, v_head_size)),
+                chunks=_chunks(contexts, tokens),
+                workspace=xp.empty((min(tokens, int(contexts.sum())), latent), q.dtype) if workspace is None else None)
+
+
+def _chunks(contexts, tokens):
+    """(seq_starts int32 [batch], lens [batch]) per chunk of the batch's context tokens taken sequence after
+    sequence, ``tokens`` at a time."""
+    ends = np.cumsum(contexts)
+    starts = ends - contexts
+    plan = []
+    for lo in range(0, int(ends[-1]) if ends.size else 0, tokens):
+        hi = lo + tokens
+        first, last = np.clip(starts, lo, hi), np.clip(ends, lo, hi)
+        plan.append(((first - starts).astype(np.int32), last - first))
+    return plan
+
+
+def _up_projected(up_proj, rows, n, kv_shapes, dtype):
+    """up_proj(rows) checked: (k [n, num_kv_heads, qk_head_size], v [n, num_kv_heads, v_head_size]) in q's dtype."""
+    result = up_proj(rows)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(f"up_proj must return a (k, v) pair, got {type(result).__name__}")
+    for name, a, (heads, size) in zip(("k", "v"), result, kv_shapes):
+        if not hasattr(a, "shape") or tuple(a.shape) != (n, heads, size) or a.dtype != dtype:
+            got = f"{a.dtype} {tuple(a.shape)}" if hasattr(a, "shape") else type(a).__name__
+            raise ValueError(f"up_proj's {name} must be [{n}, {heads}, {size}] (num_kv_heads of k_new / v_new) of "
+                             f"q's dtype {dtype}, got {got}")
+    return result
 
 
 def _merge(merge_attn_states, xp, prefix, suffix, out=None):

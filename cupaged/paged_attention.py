@@ -8,9 +8,11 @@ import math
 
 import numpy as np
 
-from cupaged._attention_args import check_caches, check_head_vector, check_out, check_q, check_tables
-from cupaged._cache_args import KV_CODE, kv_scale_args
-from cupaged._checks import CTYPE, address, element_strides, validate_enabled
+from cupaged._attention_args import check_caches, check_head_vector, check_out, check_q, check_softcap, \
+    check_tables, validate_tables
+from cupaged._cache_args import KV_CODE, check_scale_values, kv_scale_args
+from cupaged._checks import CTYPE, address, check_bool, check_float, check_optional_int, check_writable, \
+    element_strides, validate_enabled
 from cupaged._runtime import KernelFamily, array_module, struct_arg
 
 __all__ = ["paged_attention", "HEAD_BUCKETS"]
@@ -23,7 +25,8 @@ PARAMS = np.dtype([(n, np.int64) for n in (
     "q_token_stride", "q_head_stride", "out_token_stride", "out_head_stride", "k_block_stride", "k_head_stride",
     "k_chunk_stride", "k_page_stride", "v_block_stride", "v_head_stride", "v_page_stride", "v_dim_stride",
     "table_stride")] + [(n, np.float32) for n in ("scale", "softcap", "k_scale_value", "v_scale_value")] + [
-    (n, np.int32) for n in ("scale_per_head", "causal", "window", "always_partials", "num_tokens", "num_heads",
+    (n, np.int32) for n in ("scale_per_head", "causal", "window", "always_partials", "partials_in_out_type",
+                            "num_tokens", "num_heads",
                             "num_kv_heads", "head_size", "v_head_size", "block_size", "kv_split_size",
                             "max_splits", "tiles", "vec_k", "vec_v")], align=True)  # struct PaParams
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
@@ -98,8 +101,9 @@ def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_
     if partials is None and (max_splits > 1 or always_partials):
         partials = (xp.empty((num_tokens, num_heads, max_splits), np.float32),
                     xp.empty((num_tokens, num_heads, max_splits), np.float32),
-                    xp.empty((num_tokens, num_heads, max_splits, v_head_size), q.dtype))
+                    xp.empty((num_tokens, num_heads, max_splits, v_head_size), np.float32))
     max_logits, exp_sums, tmp_output = partials or (None, None, None)
+    p["partials_in_out_type"] = int(tmp_output is not None and tmp_output.dtype != np.float32)  # vLLM v2 only
     t = CTYPE[q.dtype]
     kernel = FAMILY.function(_main(t, KV_CODE[kv_cache_dtype], hd, vhd, mla), xp)
     kernel.max_dynamic_shared_size_bytes = smem_bytes(hd, vhd, mla)
@@ -134,34 +138,36 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} (q's dimension 1) must be a multiple of num_kv_heads={num_kv_heads}")
     num_seqs = check_tables(block_tables, seq_lens, query_start_loc, num_tokens)
-    window = int(sliding_window or 0)
-    if window < 0:
-        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    causal, return_lse = check_bool("causal", causal), check_bool("return_lse", return_lse)
+    window = check_optional_int("sliding_window", sliding_window, 0) or 0
     if window and not causal:
         raise ValueError("sliding_window requires causal=True")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    softcap = check_softcap(softcap)
     sinks = check_head_vector("sinks", sinks, num_heads, xp)
     alibi = check_head_vector("alibi_slopes", alibi_slopes, num_heads, xp)
-    scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
-    if kv_split_size is not None and int(kv_split_size) < 1:
-        raise ValueError(f"kv_split_size must be None or >= 1, got {kv_split_size}")
+    scale = 1.0 / math.sqrt(head_size) if scale is None else check_float("scale", scale)
+    kv_split_size = check_optional_int("kv_split_size", kv_split_size, 1)
+    max_query_len = check_optional_int("max_query_len", max_query_len, 0)
+    max_seq_len = check_optional_int("max_seq_len", max_seq_len, 0)
+    check_writable("out", out)
+    check_writable("workspace", workspace)
     out = check_out(out, q, "out")
     lse = xp.empty((num_heads, num_tokens), np.float32) if return_lse else None
     if validate_enabled(validate):
-        _validate_contents(block_tables, seq_lens, query_start_loc, key_cache.shape[0], caches["block_size"],
-                           num_tokens)
+        validate_tables(block_tables, seq_lens, query_start_loc, key_cache.shape[0], caches["block_size"], num_tokens,
+                        max_query_len=max_query_len, max_seq_len=max_seq_len)
+        check_scale_values(kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     if num_tokens == 0:
         return (out, lse) if return_lse else out
     decode = query_start_loc is None
     group = num_heads // num_kv_heads
-    max_q = 1 if decode else int(max_query_len or num_tokens)
+    max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
     tiles = -(-max_q * group // ROWS)
-    max_kv = int(max_seq_len or block_tables.shape[1] * caches["block_size"])
-    split = int(kv_split_size) if kv_split_size is not None else \
+    max_kv = max_seq_len or block_tables.shape[1] * caches["block_size"]
+    split = kv_split_size if kv_split_size is not None else \
         choose_split(xp, num_seqs * num_kv_heads * tiles, max_kv)
     max_splits = max(1, -(-max_kv // split)) if split else 1
-    partials = _carve(workspace, xp, num_tokens, num_heads, max_splits, head_size, q.dtype) if max_splits > 1 else None
+    partials = _carve(workspace, xp, num_tokens, num_heads, max_splits, head_size) if max_splits > 1 else None
     launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_start_loc, out, lse, scale=scale,
            causal=causal, window=window, sinks=sinks, alibi=alibi, softcap=softcap, kv_cache_dtype=kv_cache_dtype,
            k_scale=k_scale, v_scale=v_scale, kv_split_size=split if max_splits > 1 else 0, max_splits=max_splits,
@@ -169,16 +175,17 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     return (out, lse) if return_lse else out
 
 
-def workspace_bytes(num_tokens, num_heads, max_splits, head_size, dtype) -> int:
-    """Bytes of split partials: max_logits and exp_sums (float32) and tmp_output (dtype)."""
+def workspace_bytes(num_tokens, num_heads, max_splits, head_size) -> int:
+    """Bytes of split partials, all float32: max_logits, exp_sums and tmp_output (never rounded to the
+    output's dtype before the merge)."""
     n = num_tokens * num_heads * max_splits
-    return 8 * n + n * head_size * np.dtype(dtype).itemsize + 256
+    return 8 * n + 4 * n * head_size + 256
 
 
-def _carve(workspace, xp, num_tokens, num_heads, max_splits, head_size, dtype):
+def _carve(workspace, xp, num_tokens, num_heads, max_splits, head_size):
     if workspace is None:
         return None
-    need = workspace_bytes(num_tokens, num_heads, max_splits, head_size, dtype)
+    need = workspace_bytes(num_tokens, num_heads, max_splits, head_size)
     if workspace.dtype != np.uint8 or workspace.ndim != 1 or workspace.size < need:
         raise ValueError(f"workspace must be a 1-D uint8 array of >= {need} bytes for {max_splits} splits, got "
                          f"{workspace.dtype} shape {tuple(workspace.shape)}")
@@ -186,28 +193,5 @@ def _carve(workspace, xp, num_tokens, num_heads, max_splits, head_size, dtype):
     off = (-address(workspace)) % 256
     ml = workspace[off:off + 4 * n].view(np.float32).reshape(num_tokens, num_heads, max_splits)
     es = workspace[off + 4 * n:off + 8 * n].view(np.float32).reshape(num_tokens, num_heads, max_splits)
-    size = np.dtype(dtype).itemsize
-    tmp = workspace[off + 8 * n:off + 8 * n + n * head_size * size].view(dtype)
+    tmp = workspace[off + 8 * n:off + 8 * n + 4 * n * head_size].view(np.float32)
     return ml, es, tmp.reshape(num_tokens, num_heads, max_splits, head_size)
-
-
-def _validate_contents(block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens):
-    from cupaged._cache_args import host_copy
-
-    lens = host_copy(seq_lens).astype(np.int64)
-    if lens.size and lens.min() < 0:
-        raise ValueError("seq_lens must be >= 0")
-    if query_start_loc is not None:
-        qsl = host_copy(query_start_loc).astype(np.int64)
-        if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] != num_tokens:
-            raise ValueError(f"query_start_loc must start at 0, be non-decreasing and end at num_tokens={num_tokens}")
-        if np.any(np.diff(qsl) > lens):
-            raise ValueError("every sequence needs q_len <= seq_len (query_start_loc against seq_lens)")
-    need = -(-lens // block_size)
-    table = host_copy(block_tables)
-    if need.size and need.max() > table.shape[1]:
-        raise ValueError(f"seq_lens need up to {need.max()} blocks, block_tables has {table.shape[1]} columns")
-    for s, n in enumerate(need):
-        ids = table[s, :n]
-        if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-            raise ValueError(f"block_tables[{s}] holds a block id outside the pool of {num_blocks} blocks")

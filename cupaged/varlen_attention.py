@@ -7,9 +7,10 @@ import math
 
 import numpy as np
 
-from cupaged._attention_args import check_out, check_q
+from cupaged._attention_args import check_hint, check_out, check_q
 from cupaged._cache_args import check_index, host_copy
-from cupaged._checks import address, check_last_contiguous, check_ndim, element_strides, validate_enabled
+from cupaged._checks import address, check_bool, check_float, check_last_contiguous, check_ndim, check_optional_int, \
+    check_writable, element_strides, validate_enabled
 from cupaged._runtime import array_module
 from cupaged.paged_attention import ROWS, launch
 
@@ -61,20 +62,28 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     batch = cu_seqlens_q.shape[0] - 1
     if batch > 65535:
         raise NotImplementedError(f"cu_seqlens_q: at most 65535 sequences per call, got {batch}")
+    causal, return_lse = check_bool("causal", causal), check_bool("return_lse", return_lse)
+    scale = 1.0 / math.sqrt(head_size) if scale is None else check_float("scale", scale)
+    max_seqlen_q = check_optional_int("max_seqlen_q", max_seqlen_q, 0)
+    max_seqlen_k = check_optional_int("max_seqlen_k", max_seqlen_k, 0)
+    check_writable("out", out)
     out = check_out(out, q, "out", shape=(total_q, num_heads, v_head_size))
     lse = xp.empty((num_heads, total_q), np.float32) if return_lse else None
     if validate_enabled(validate):
-        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        for name, cu, total, hint in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                      ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
             c = host_copy(cu).astype(np.int64)
             if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] > total:
                 raise ValueError(f"{name} must start at 0, be non-decreasing and end at most at {total}")
+            if batch:
+                lens = np.diff(c)
+                check_hint(f"max_seqlen_{name[-1]}", hint, int(lens.max()), f"the longest sequence's length in {name}")
     if total_q == 0 or batch == 0:
         if return_lse:
             lse[...] = -np.inf
         return (out, lse) if return_lse else out
     group = num_heads // k.shape[1]
-    tiles = -(-int(max_seqlen_q or total_q) * group // ROWS)
-    scale = 1.0 / math.sqrt(head_size) if scale is None else float(scale)
+    tiles = -(-min(max_seqlen_q or total_q, total_q) * group // ROWS)
     launch(xp, q, k, v, _dense_strides(k, v), None, cu_seqlens_k, cu_seqlens_q, out, lse, scale=scale,
            causal=causal, window=0, sinks=None, alibi=None, softcap=None, kv_cache_dtype="auto", k_scale=1.0,
            v_scale=1.0, kv_split_size=0, max_splits=1, tiles=tiles)

@@ -14,7 +14,8 @@
 //   q            [num_tokens, num_heads, head_size]  (any token stride)
 //   out          [num_tokens, num_heads, v_head_size] (v_head_size = head_size except MLA / varlen 192-128)
 //   lse          [num_heads, num_tokens] float32, natural log
-//   max_logits, exp_sums [num_tokens, num_heads, max_splits] float32; tmp_output [..., v_head_size] (out's type)
+//   max_logits, exp_sums [num_tokens, num_heads, max_splits] float32; tmp_output [..., v_head_size] float32
+//                (out's type for vLLM v2)
 // Dense varlen mode (block_tables == nullptr): key j of sequence b is row cu_seqlens_k[b] + j of a
 // [total_k, num_kv_heads, head_size] array (k_page_stride = its token stride) and the context length
 // is cu_seqlens_k[b + 1] - cu_seqlens_k[b]. MLA mode (SHARED_KV): the value of a key is the first
@@ -70,7 +71,7 @@ struct PaParams {
   long long v_block_stride, v_head_stride, v_page_stride, v_dim_stride;
   long long table_stride;
   float scale, softcap, k_scale_value, v_scale_value;
-  int scale_per_head, causal, window, always_partials;
+  int scale_per_head, causal, window, always_partials, partials_in_out_type;
   int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits, tiles;
   int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
 };
@@ -118,6 +119,49 @@ __device__ __forceinline__ void pa_load_tile(float* ks, float* vs, const CacheT*
   }
 }
 
+// q . k over n dimensions in four interleaved float32 sums: a quarter of the rounding error of one
+// running sum over 576 (MLA) dimensions, which decode's accuracy rule needs, and four times the ILP.
+__device__ __forceinline__ float pa_dot(const float* q, const float* k, int n) {
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+  int d = 0;
+  for (; d + 4 <= n; d += 4) {
+    a0 += q[d] * k[d];
+    a1 += q[d + 1] * k[d + 1];
+    a2 += q[d + 2] * k[d + 2];
+    a3 += q[d + 3] * k[d + 3];
+  }
+  for (; d < n; ++d) a0 += q[d] * k[d];
+  return (a0 + a1) + (a2 + a3);
+}
+
+// Split partial outputs are float32, so the merge sees them unrounded; vLLM v2's tmp_output has the
+// output's type (p.partials_in_out_type), as vLLM's does.
+template <class T>
+__device__ __forceinline__ void pa_store_partial(void* tmp, long long i, float x, int in_out_type) {
+  if (in_out_type) static_cast<T*>(tmp)[i] = from_float<T>(x);
+  else static_cast<float*>(tmp)[i] = x;
+}
+
+template <class T>
+__device__ __forceinline__ float pa_load_partial(const void* tmp, long long i, int in_out_type) {
+  return in_out_type ? to_float(static_cast<const T*>(tmp)[i]) : static_cast<const float*>(tmp)[i];
+}
+
+// The splits of one sequence: ceil(seq_len / kv_split_size) of kv_split_size keys, but never more than
+// max_splits, the depth of the partial buffers (sized from the host's max_seq_len hint): a context longer
+// than the hint said gets fewer, larger splits instead of writing into another row's partials.
+struct PaSplits {
+  int count, size;
+};
+
+__device__ __forceinline__ PaSplits pa_splits(int seq_len, const PaParams& p) {
+  if (p.kv_split_size <= 0) return {1, max(seq_len, 1)};
+  const int count = max(1, (seq_len + p.kv_split_size - 1) / p.kv_split_size);
+  if (count <= p.max_splits) return {count, p.kv_split_size};
+  const int size = (seq_len + p.max_splits - 1) / p.max_splits;
+  return {(seq_len + size - 1) / size, size};
+}
+
 template <class T, int KV, int HD, int VHD, bool SHARED_KV>
 __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
@@ -134,7 +178,7 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
     float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
     float* __restrict__ max_logits,          // [num_tokens, num_heads, max_splits] or nullptr (no split)
     float* __restrict__ exp_sums,            // [num_tokens, num_heads, max_splits]
-    T* __restrict__ tmp_output,              // [num_tokens, num_heads, max_splits, v_head_size]
+    void* __restrict__ tmp_output,           // [num_tokens, num_heads, max_splits, v_head_size] float32 or T
     PaParams p) {
   typedef PaSmem<HD, VHD, SHARED_KV> S;
   extern __shared__ float smem[];
@@ -150,170 +194,173 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
   float* row_alpha = smem + S::ROW_ALPHA;
 
   const int kv_head = blockIdx.y, seq = blockIdx.z;
-  const int tile = blockIdx.x % p.tiles, split = blockIdx.x / p.tiles;
+  const int split = blockIdx.x / p.tiles;
   const bool dense = block_tables == nullptr;
   const long long key_row0 = dense ? seq_lens[seq] : 0;
   const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
   const int q_start = query_start_loc ? query_start_loc[seq] : seq;
   const int q_len = query_start_loc ? query_start_loc[seq + 1] - q_start : 1;
   const int group = p.num_heads / p.num_kv_heads;
-  const int row0 = tile * PA_ROWS;
-  const int num_splits = p.kv_split_size > 0 ? max(1, (seq_len + p.kv_split_size - 1) / p.kv_split_size) : 1;
-  if (row0 >= q_len * group || split >= num_splits) return;  // idle CTA of a shape-sized grid
-  const int nrows = min(PA_ROWS, q_len * group - row0);
-  const int split_lo = p.kv_split_size > 0 ? split * p.kv_split_size : 0;
-  const int split_hi = p.kv_split_size > 0 ? min(seq_len, split_lo + p.kv_split_size) - 1 : seq_len - 1;
+  const PaSplits splits = pa_splits(seq_len, p);
+  if (split >= splits.count) return;  // idle CTA of a shape-sized grid
+  const int split_lo = split * splits.size, split_hi = min(seq_len, split_lo + splits.size) - 1;
+  // Tiles of PA_ROWS rows, p.tiles apart: the grid is sized from the max_query_len hint, and a sequence
+  // with more rows than the hint said still has every row computed (by its CTAs' later iterations).
+  for (int row0 = (blockIdx.x % p.tiles) * PA_ROWS; row0 < q_len * group; row0 += p.tiles * PA_ROWS) {
+    const int nrows = min(PA_ROWS, q_len * group - row0);
 
-  if (threadIdx.x < PA_ROWS) {
-    const int r = threadIdx.x;
-    PaRow row{0, 0, 0, -1, 0.0f, neg_inf()};
-    if (r < nrows) {
-      const int i = (row0 + r) / group;
-      row.token = q_start + i;
-      row.head = kv_head * group + (row0 + r) % group;
-      const int pos = seq_len - q_len + i;
-      const int hi = p.causal ? pos : seq_len - 1;
-      const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
-      row.lo = max(lo, split_lo);
-      row.hi = min(hi, split_hi);
-      row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
-      row.sink = sinks ? sinks[row.head] : neg_inf();
-    }
-    rows[r] = row;
-    row_m[r] = neg_inf();
-    row_l[r] = 0.0f;
-  }
-  for (int i = threadIdx.x; i < PA_ROWS * HD; i += blockDim.x) {
-    const int r = i / HD, d = i - r * HD;
-    float x = 0.0f;
-    if (r < nrows && d < p.head_size) {
-      const int token = q_start + (row0 + r) / group, head = kv_head * group + (row0 + r) % group;
-      x = to_float(q[token * p.q_token_stride + head * p.q_head_stride + d]);
-    }
-    qs[i] = x;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // keys any row of this CTA can see: the only ones loaded
-    int lo = 0x7fffffff, hi = -1;
-    for (int r = 0; r < nrows; ++r)
-      if (rows[r].lo <= rows[r].hi) { lo = min(lo, rows[r].lo); hi = max(hi, rows[r].hi); }
-    span[0] = lo;
-    span[1] = hi;
-  }
-  __syncthreads();
-
-  // Each thread accumulates output columns d of its rows: rows rg, rg + RG, ... and columns t, t + 128, ...
-  constexpr int COLS = VHD >= PA_THREADS ? VHD / PA_THREADS : 1;
-  constexpr int RG = VHD >= PA_THREADS ? 1 : PA_THREADS / VHD;
-  constexpr int ROWS = PA_ROWS / RG;
-  const int my_rg = VHD >= PA_THREADS ? 0 : threadIdx.x / VHD;
-  const int my_col = VHD >= PA_THREADS ? threadIdx.x : threadIdx.x % VHD;
-  float acc[ROWS][COLS];
-#pragma unroll
-  for (int k = 0; k < ROWS; ++k)
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) acc[k][c] = 0.0f;
-
-  const float ks_scale = read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head);
-  const float vs_scale = read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int base = span[0]; base <= span[1]; base += PA_TILE) {
-    const int n = min(PA_TILE, span[1] - base + 1);
-    const int first_block = base / p.block_size, last_block = (base + n - 1) / p.block_size;
-    for (int b = threadIdx.x; !dense && b <= last_block - first_block; b += blockDim.x)  // the table, once per block
-      tile_blocks[b] = block_tables[seq * p.table_stride + first_block + b];
-    __syncthreads();
-    pa_load_tile<typename CacheType<KV, T>::type, KV, HD, VHD, SHARED_KV>(
-        ks, vs, key_cache, value_cache, dense ? nullptr : tile_blocks, first_block, base, n, kv_head, key_row0,
-        ks_scale, vs_scale, p);
-    __syncthreads();
-    for (int i = threadIdx.x; i < nrows * n; i += blockDim.x) {  // scores of visible (row, key) pairs
-      const int r = i / n, j = i - r * n, key = base + j;
-      float s = neg_inf();
-      if (key >= rows[r].lo && key <= rows[r].hi) {
-        const float* qr = qs + r * HD;
-        const float* kr = ks + j * S::K_STRIDE;
-        float dot = 0.0f;
-        for (int d = 0; d < p.head_size; ++d) dot += qr[d] * kr[d];
-        s = dot * p.scale;
-        if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
-        s -= rows[r].slope * fabsf(float(key - (seq_len - q_len + (row0 + r) / group)));
+    if (threadIdx.x < PA_ROWS) {
+      const int r = threadIdx.x;
+      PaRow row{0, 0, 0, -1, 0.0f, neg_inf()};
+      if (r < nrows) {
+        const int i = (row0 + r) / group;
+        row.token = q_start + i;
+        row.head = kv_head * group + (row0 + r) % group;
+        const int pos = seq_len - q_len + i;
+        const int hi = p.causal ? pos : seq_len - 1;
+        const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
+        row.lo = max(lo, split_lo);
+        row.hi = min(hi, split_hi);
+        row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
+        row.sink = sinks ? sinks[row.head] : neg_inf();
       }
-      ps[r * PA_TILE + j] = s;
+      rows[r] = row;
+      row_m[r] = neg_inf();
+      row_l[r] = 0.0f;
     }
-    __syncthreads();
-    for (int r = warp; r < nrows; r += PA_THREADS / 32) {  // online softmax, one warp per row
-      const float s = lane < n ? ps[r * PA_TILE + lane] : neg_inf();
-      float mx = s;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float m_old = row_m[r];
-      const float m_new = fmaxf(m_old, mx);
-      const float e = s == neg_inf() ? 0.0f : expf(s - m_new);
-      float sum = e;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (lane < n) ps[r * PA_TILE + lane] = e;
-      __syncwarp();
-      if (lane == 0) {
-        const float alpha = m_old == neg_inf() ? 0.0f : expf(m_old - m_new);
-        row_alpha[r] = alpha;
-        row_l[r] = row_l[r] * alpha + sum;
-        row_m[r] = m_new;
+    for (int i = threadIdx.x; i < PA_ROWS * HD; i += blockDim.x) {
+      const int r = i / HD, d = i - r * HD;
+      float x = 0.0f;
+      if (r < nrows && d < p.head_size) {
+        const int token = q_start + (row0 + r) / group, head = kv_head * group + (row0 + r) % group;
+        x = to_float(q[token * p.q_token_stride + head * p.q_head_stride + d]);
       }
+      qs[i] = x;
     }
     __syncthreads();
+    if (threadIdx.x == 0) {  // keys any row of this CTA can see: the only ones loaded
+      int lo = 0x7fffffff, hi = -1;
+      for (int r = 0; r < nrows; ++r)
+        if (rows[r].lo <= rows[r].hi) { lo = min(lo, rows[r].lo); hi = max(hi, rows[r].hi); }
+      span[0] = lo;
+      span[1] = hi;
+    }
+    __syncthreads();
+
+    // Each thread accumulates output columns d of its rows: rows rg, rg + RG, ... and columns t, t + 128, ...
+    constexpr int COLS = VHD >= PA_THREADS ? VHD / PA_THREADS : 1;
+    constexpr int RG = VHD >= PA_THREADS ? 1 : PA_THREADS / VHD;
+    constexpr int ROWS = PA_ROWS / RG;
+    const int my_rg = VHD >= PA_THREADS ? 0 : threadIdx.x / VHD;
+    const int my_col = VHD >= PA_THREADS ? threadIdx.x : threadIdx.x % VHD;
+    float acc[ROWS][COLS];
 #pragma unroll
-    for (int k = 0; k < ROWS; ++k) {  // acc = acc * alpha + P V over each row's visible keys only
+    for (int k = 0; k < ROWS; ++k)
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) acc[k][c] = 0.0f;
+
+    const float ks_scale = read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head);
+    const float vs_scale = read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int base = span[0]; base <= span[1]; base += PA_TILE) {
+      const int n = min(PA_TILE, span[1] - base + 1);
+      const int first_block = base / p.block_size, last_block = (base + n - 1) / p.block_size;
+      for (int b = threadIdx.x; !dense && b <= last_block - first_block; b += blockDim.x)  // the table, once per block
+        tile_blocks[b] = block_tables[seq * p.table_stride + first_block + b];
+      __syncthreads();
+      pa_load_tile<typename CacheType<KV, T>::type, KV, HD, VHD, SHARED_KV>(
+          ks, vs, key_cache, value_cache, dense ? nullptr : tile_blocks, first_block, base, n, kv_head, key_row0,
+          ks_scale, vs_scale, p);
+      __syncthreads();
+      for (int i = threadIdx.x; i < nrows * n; i += blockDim.x) {  // scores of visible (row, key) pairs
+        const int r = i / n, j = i - r * n, key = base + j;
+        float s = neg_inf();
+        if (key >= rows[r].lo && key <= rows[r].hi) {
+          const float* qr = qs + r * HD;
+          const float* kr = ks + j * S::K_STRIDE;
+          s = pa_dot(qr, kr, p.head_size) * p.scale;
+          if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
+          s -= rows[r].slope * fabsf(float(key - (seq_len - q_len + (row0 + r) / group)));
+        }
+        ps[r * PA_TILE + j] = s;
+      }
+      __syncthreads();
+      for (int r = warp; r < nrows; r += PA_THREADS / 32) {  // online softmax, one warp per row
+        const float s = lane < n ? ps[r * PA_TILE + lane] : neg_inf();
+        float mx = s;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_old = row_m[r];
+        const float m_new = fmaxf(m_old, mx);
+        const float e = s == neg_inf() ? 0.0f : expf(s - m_new);
+        float sum = e;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane < n) ps[r * PA_TILE + lane] = e;
+        __syncwarp();
+        if (lane == 0) {
+          const float alpha = m_old == neg_inf() ? 0.0f : expf(m_old - m_new);
+          row_alpha[r] = alpha;
+          row_l[r] = row_l[r] * alpha + sum;
+          row_m[r] = m_new;
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < ROWS; ++k) {  // acc = acc * alpha + P V over each row's visible keys only
+        const int r = my_rg + k * RG;
+        if (r >= nrows) continue;
+        const float alpha = row_alpha[r];
+        const int j0 = max(rows[r].lo - base, 0), j1 = min(rows[r].hi - base, n - 1);
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+          const int d = my_col + c * PA_THREADS;
+          float a = acc[k][c] * alpha;
+          for (int j = j0; j <= j1; ++j) a += ps[r * PA_TILE + j] * vs[j * S::V_STRIDE + d];
+          acc[k][c] = a;
+        }
+      }
+      __syncthreads();
+    }
+
+    const bool partial = (splits.count > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
+#pragma unroll
+    for (int k = 0; k < ROWS; ++k) {
       const int r = my_rg + k * RG;
       if (r >= nrows) continue;
-      const float alpha = row_alpha[r];
-      const int j0 = max(rows[r].lo - base, 0), j1 = min(rows[r].hi - base, n - 1);
+      const PaRow row = rows[r];
+      const float m = row_m[r], l = row_l[r];
+      const long long th = (long long)row.token * p.num_heads + row.head;
+      if (partial) {
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
-      for (int c = 0; c < COLS; ++c) {
-        const int d = my_col + c * PA_THREADS;
-        float a = acc[k][c] * alpha;
-        for (int j = j0; j <= j1; ++j) a += ps[r * PA_TILE + j] * vs[j * S::V_STRIDE + d];
-        acc[k][c] = a;
+        for (int c = 0; c < COLS; ++c) {
+          const int d = my_col + c * PA_THREADS;
+          if (d < p.v_head_size)
+            pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, acc[k][c] * inv,
+                                p.partials_in_out_type);
+        }
+        if (my_col == 0) {
+          max_logits[th * p.max_splits + split] = m;
+          exp_sums[th * p.max_splits + split] = l;
+        }
+      }
+      if (splits.count == 1) {  // the whole context was this CTA's: finish the row here
+        const float mx = fmaxf(m, row.sink);
+        const float w = l > 0.0f ? expf(m - mx) : 0.0f;
+        const float total = l * w + (row.sink == neg_inf() ? 0.0f : expf(row.sink - mx));
+        const float f = total > 0.0f ? w / total : 0.0f;
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+          const int d = my_col + c * PA_THREADS;
+          if (d < p.v_head_size)
+            out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(acc[k][c] * f);
+        }
+        if (lse && my_col == 0)
+          lse[(long long)row.head * p.num_tokens + row.token] = total > 0.0f ? mx + logf(total) : neg_inf();
       }
     }
-    __syncthreads();
-  }
-
-  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
-#pragma unroll
-  for (int k = 0; k < ROWS; ++k) {
-    const int r = my_rg + k * RG;
-    if (r >= nrows) continue;
-    const PaRow row = rows[r];
-    const float m = row_m[r], l = row_l[r];
-    const long long th = (long long)row.token * p.num_heads + row.head;
-    if (partial) {
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) {
-        const int d = my_col + c * PA_THREADS;
-        if (d < p.v_head_size)
-          tmp_output[(th * p.max_splits + split) * p.v_head_size + d] = from_float<T>(acc[k][c] * inv);
-      }
-      if (my_col == 0) {
-        max_logits[th * p.max_splits + split] = m;
-        exp_sums[th * p.max_splits + split] = l;
-      }
-    }
-    if (num_splits == 1) {  // the whole context was this CTA's: finish the row here
-      const float mx = fmaxf(m, row.sink);
-      const float w = l > 0.0f ? expf(m - mx) : 0.0f;
-      const float total = l * w + (row.sink == neg_inf() ? 0.0f : expf(row.sink - mx));
-      const float f = total > 0.0f ? w / total : 0.0f;
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) {
-        const int d = my_col + c * PA_THREADS;
-        if (d < p.v_head_size)
-          out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(acc[k][c] * f);
-      }
-      if (lse && my_col == 0) lse[(long long)row.head * p.num_tokens + row.token] = total > 0.0f ? mx + logf(total) : neg_inf();
-    }
+    __syncthreads();  // the next tile rewrites rows, q and the row statistics
   }
 }
 
@@ -323,7 +370,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
     const float* __restrict__ max_logits,    // [num_tokens, num_heads, max_splits]
     const float* __restrict__ exp_sums,      // [num_tokens, num_heads, max_splits]
-    const T* __restrict__ tmp_output,        // [num_tokens, num_heads, max_splits, v_head_size]
+    const void* __restrict__ tmp_output,     // [num_tokens, num_heads, max_splits, v_head_size] float32 or T
     const int* __restrict__ seq_lens,        // [num_seqs], or cu_seqlens_k [num_seqs + 1] (dense)
     int dense,
     const int* __restrict__ query_start_loc, // [num_seqs + 1] or nullptr
@@ -341,7 +388,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     if (token >= query_start_loc[num_seqs]) return;
   }
   const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
-  const int num_splits = max(1, (seq_len + p.kv_split_size - 1) / p.kv_split_size);
+  const int num_splits = pa_splits(seq_len, p).count;
   if (num_splits <= 1) return;  // finished by the main kernel
   const long long th = (long long)token * p.num_heads + head;
   const float* m = max_logits + th * p.max_splits;
@@ -357,10 +404,13 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   for (int d = threadIdx.x; d < p.v_head_size; d += blockDim.x) {
     float a = 0.0f;
     for (int s = 0; s < num_splits; ++s)
-      if (l[s] > 0.0f) a += expf(m[s] - mx) * l[s] * to_float(tmp_output[(th * p.max_splits + s) * p.v_head_size + d]);
+      if (l[s] > 0.0f)
+        a += expf(m[s] - mx) * l[s] * pa_load_partial<T>(tmp_output, (th * p.max_splits + s) * p.v_head_size + d,
+                                                           p.partials_in_out_type);
     out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(a * inv);
   }
-  if (lse && threadIdx.x == 0) lse[(long long)head * p.num_tokens + token] = total > 0.0f ? mx + logf(total) : neg_inf();
+  if (lse && threadIdx.x == 0)
+    lse[(long long)head * p.num_tokens + token] = total > 0.0f ? mx + logf(total) : neg_inf();
 }
 
 }  // namespace cupaged

@@ -71,7 +71,11 @@ def test_mla_decode_split_is_batch_invariant(backend):
 BAD = {
     "cache dtype": (lambda a: {"kv_cache": a["kv_cache"].astype(np.float32)}, TypeError, "kv_cache"),
     "cache width": (lambda a: {"kv_cache": a["kv_cache"][..., :500]}, ValueError, "kv_cache"),
-    "rank": (lambda a: {"kv_lora_rank": 600}, NotImplementedError, "kv_lora_rank"),
+    "rank past the row": (lambda a: {"kv_lora_rank": 600}, ValueError, "kv_lora_rank=600 exceeds"),
+    "rank too big": (lambda a: {"q": np.zeros((2, 16, 640), np.float16), "kv_cache": np.zeros((4, 16, 640), np.float16),
+                                "kv_lora_rank": 576}, NotImplementedError, "kv_lora_rank"),
+    "rank default on a small row": (lambda a: {"q": a["q"][..., :320], "kv_cache": a["kv_cache"][..., :320]},
+                                    ValueError, "kv_lora_rank=512 exceeds.*kv_lora_rank=256"),
     "tables dtype": (lambda a: {"block_tables": a["block_tables"].astype(np.int64)}, TypeError, "block_tables"),
     "seq_lens rows": (lambda a: {"seq_lens": a["seq_lens"][:1]}, ValueError, "block_tables"),
     "fp8 float cache": (lambda a: {"kv_cache_dtype": "fp8"}, TypeError, "kv_cache"),
