@@ -192,7 +192,7 @@ def test_uninitialized_locals_do_not_leak_between_blocks(fn, monkeypatch):
 
 def test_null_pointer_write(fn):
     out = sim.zeros(32, np.int32)
-    with pytest.raises(sim.SimMemoryError, match=r"address 0x0 in thread \(5,0,0\)"):
+    with pytest.raises(sim.SimMemoryError, match=r"address 0x0 \(not inside any argument\) in thread \(5,0,0\)"):
         fn("null_write")((1,), (32,), (out, np.int32(5)))
     fn("null_write")((1,), (32,), (out, np.int32(-1)))
     assert (out == 2).all()

@@ -18,7 +18,8 @@ import numpy as np
 
 from cupaged.sim import _compile
 from cupaged.sim._errors import SimError, SimMemoryError, SimSyncError, SimTimeoutError, SimTrapError
-from cupaged.sim._memory import GuardedBuffer, guarded_buffer
+from cupaged.sim._params import param_names, strip_comments
+from cupaged.sim._staging import Staging, fault_message
 
 __all__ = ["RawModule", "RawKernel"]
 
@@ -50,7 +51,8 @@ class _LaunchConfig(ctypes.Structure):
 class _ErrorInfo(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int), ("has_thread", ctypes.c_int), ("thread", ctypes.c_uint * 3),
                 ("block", ctypes.c_uint * 3), ("fault_addr", ctypes.c_ulonglong), ("fault_write", ctypes.c_int),
-                ("signo", ctypes.c_int), ("dyn_smem", ctypes.c_ulonglong), ("msg", ctypes.c_char * 8192)]
+                ("signo", ctypes.c_int), ("dyn_smem", ctypes.c_ulonglong), ("fault_base", ctypes.c_ulonglong),
+                ("fault_index", ctypes.c_ulonglong), ("fault_decoded", ctypes.c_int), ("msg", ctypes.c_char * 8192)]
 
 
 _ERRORS = {1: SimMemoryError, 2: SimSyncError, 3: SimTrapError, 4: SimTimeoutError}
@@ -71,34 +73,6 @@ def _order():
     return ("natural", "reverse", "random").index(name), int(seed or 0)
 
 
-def _param_names(code: str, name: str) -> list[str] | None:
-    """Parameter names of kernel ``name`` read from the source, for error messages (best effort)."""
-    base = re.sub(r"<.*", "", name).split("::")[-1].strip()
-    m = re.search(r"__global__[^;{}]*?\b" + re.escape(base) + r"\s*\(", code)
-    if not m:
-        return None
-    depth, i = 1, m.end()
-    while i < len(code) and depth:
-        depth += {"(": 1, ")": -1}.get(code[i], 0)
-        i += 1
-    params, depth, cur = [], 0, ""
-    for ch in code[m.end():i - 1]:
-        depth += {"(": 1, "<": 1, "[": 1, ")": -1, ">": -1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            params.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    params.append(cur)
-    names = []
-    for p in params:
-        p = re.sub(r"//[^\n]*|/\*.*?\*/", "", p, flags=re.S).split("=")[0]
-        ids = re.findall(r"[A-Za-z_]\w*", p)
-        if ids:
-            names.append(ids[-1])
-    return names
-
-
 class RawModule:
     """``cupaged.sim.RawModule(code=..., options=(), name_expressions=())``, like cupy.RawModule.
 
@@ -111,7 +85,7 @@ class RawModule:
         names = list(self.name_expressions)
         # __launch_bounds__(...) may stand before or after `void` (CUTLASS puts it before): drop it
         # first, else its name was taken for the kernel's and the generated wrappers did not compile.
-        scan = re.sub(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)", " ", code)
+        scan = re.sub(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)", " ", strip_comments(code))
         for m in re.finditer(r'extern\s+"C"\s+__global__\s+(?:\w+\s+)*?(\w+)\s*\(', scan):
             if m.group(1) not in names:
                 names.append(m.group(1))
@@ -139,9 +113,8 @@ class RawKernel:
         params = getattr(module._lib, f"cupaged_sim_params_{index}")
         params.restype = ctypes.c_char_p
         self.param_types = tuple(c for c in params().decode().split(",") if c)
-        names = _param_names(module.code, name)
-        self.param_names = tuple(names) if names and len(names) == len(self.param_types) else tuple(
-            f"argument {i}" for i in range(len(self.param_types)))
+        names = param_names(module.code, name, len(self.param_types))
+        self.param_names = tuple(names or (f"argument {i}" for i in range(len(self.param_types))))
         self.max_dynamic_shared_size_bytes = DEFAULT_SMEM
         self.max_threads_per_block = 1024
 
@@ -209,7 +182,7 @@ class RawKernel:
                 views.append((i, a))
             else:
                 cvals[i] = self._scalar(i, code, a)
-        staged = _Staging(views, self.param_names)
+        staged = Staging(views, self.param_names)
         ptrs = (ctypes.c_void_p * max(1, len(args)))()
         for i in range(len(args)):
             if cvals[i] is None:
@@ -236,77 +209,5 @@ class RawKernel:
             where = f" in thread ({err.thread[0]},{err.thread[1]},{err.thread[2]})"
         where += f" of block ({err.block[0]},{err.block[1]},{err.block[2]})"
         if rc == 1 and err.signo:
-            kind = "write" if err.fault_write else "access"
-            addr, dyn = err.fault_addr, err.dyn_smem
-            if dyn <= addr < dyn + _compile.DYN_SMEM_CAPACITY:
-                msg = (f"dynamic shared memory {kind} at byte offset {addr - dyn}, past the launch's "
-                       f"shared_mem={shared_mem} bytes")
-            else:
-                msg = staged.describe(addr, kind) or f"{msg} at address {addr:#x}"
+            msg = fault_message(err, staged, shared_mem)
         return _ERRORS.get(rc, SimError)(f"{self.name}: {msg}{where}")
-
-
-class _Staging:
-    """Pointers for array arguments; plain numpy memory goes through a guarded copy."""
-
-    def __init__(self, views, names):
-        self.names = names
-        self.groups = []  # [lo, hi, buffer, writable, [(i, array)]]: overlapping plain arrays share one copy
-        self.ptr = {}
-        direct, plain = [], []
-        for i, a in views:
-            buf = guarded_buffer(a)
-            if buf is not None:
-                direct.append((i, a, buf))
-            else:
-                plain.append((*np.lib.array_utils.byte_bounds(a), i, a))
-        for lo, hi, i, a in sorted(plain, key=lambda t: t[:3]):
-            g = self.groups[-1] if self.groups else None
-            if g is not None and lo < g[1]:
-                g[1] = max(g[1], hi)
-                g[3] = g[3] or a.flags.writeable
-                g[4].append((i, a))
-            else:
-                self.groups.append([lo, hi, None, a.flags.writeable, [(i, a)]])
-        self.buffers = {}
-        for g in self.groups:
-            # keep the copy's address congruent to the original's mod 16, so a kernel that chose
-            # 16-byte accesses from the original alignment gets the same alignment here
-            lead = g[0] % 16
-            g[2] = GuardedBuffer(g[1] - g[0] + lead)
-            ctypes.memmove(g[2].data_addr + lead, g[0], g[1] - g[0])
-            for i, a in g[4]:
-                self.ptr[i] = g[2].data_addr + lead + a.__array_interface__["data"][0] - g[0]
-                self.buffers[i] = g[2]
-        for i, a, buf in direct:
-            self.ptr[i] = a.__array_interface__["data"][0]
-            self.buffers[i] = buf
-
-    def describe(self, addr, kind):
-        for i, buf in self.buffers.items():
-            if buf.base_addr <= addr < buf.end_addr:
-                off = addr - self.ptr[i]
-                return (f"out-of-bounds {kind} of {self.names[i]} at byte offset {off} "
-                        f"(its memory spans {buf.data_addr - self.ptr[i]}..{buf.data_addr + buf.nbytes - self.ptr[i]})")
-        return None
-
-    def check_slack(self):
-        for i, buf in self.buffers.items():
-            bad = buf.damaged()
-            if bad is not None:
-                buf.repair()
-                off = bad[0] + buf.data_addr - self.ptr[i]
-                raise SimMemoryError(f"out-of-bounds write to {self.names[i]}: {bad[1]} byte(s) changed "
-                                     f"around byte offset {off}, outside its {buf.nbytes} bytes")
-
-    def repair(self):
-        """After a failed launch: restore pad and slack, so the error does not resurface as a bogus
-        out-of-bounds write in the next launch that uses the same (guarded) array."""
-        for buf in set(self.buffers.values()):
-            if buf.damaged() is not None:
-                buf.repair()
-
-    def finish(self):
-        for lo, hi, buf, writable, _ in self.groups:
-            if writable:
-                ctypes.memmove(lo, buf.data_addr + lo % 16, hi - lo)

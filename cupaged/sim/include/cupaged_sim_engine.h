@@ -23,6 +23,7 @@
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
+#include "cupaged_sim_fault.h"
 
 extern thread_local char __cupaged_dyn_smem[];  // defined by the generated assembly
 
@@ -49,6 +50,9 @@ struct ErrorInfo {  // mirrored by ctypes in cupaged/sim/_module.py
   int fault_write;
   int signo;
   unsigned long long dyn_smem;
+  unsigned long long fault_base;   // base and index register of the faulting memory operand (0: none
+  unsigned long long fault_index;  // or not decoded): the argument a wild access started from
+  int fault_decoded;  // 0: fault_addr is si_addr; 1: decoded (a general-protection fault); 2: GP, unknown
   char msg[8192];
 };
 
@@ -458,14 +462,31 @@ static void report_deadlock() {
 // ---------------------------------------------------------------- signals
 static const int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGVTALRM};
 
-static void on_signal(int sig, siginfo_t* si, void* uctx) {
-  g.err.signo = sig;
+// A general-protection fault (a non-canonical address; SI_KERNEL) comes with si_addr 0: the real
+// address is decoded from the faulting instruction (cupaged_sim_fault.h), as are, for any memory
+// fault, the registers it was computed from.
+static void record_fault(siginfo_t* si, void* uctx) {
   g.err.fault_addr = reinterpret_cast<uintptr_t>(si->si_addr);
 #if defined(__x86_64__)
-  g.err.fault_write = (static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs[REG_ERR] & 2) != 0;
+  const greg_t* r = static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs;
+  g.err.fault_write = (r[REG_ERR] & 2) != 0;
+  MemOperand op;
+  bool gp = si->si_signo == SIGSEGV && si->si_code == SI_KERNEL;
+  if (decode_mem_operand(reinterpret_cast<const unsigned char*>(r[REG_RIP]), r, &op)) {
+    g.err.fault_base = op.base;
+    g.err.fault_index = op.index;
+    if (gp) { g.err.fault_addr = op.addr; g.err.fault_decoded = 1; }
+  } else if (gp) {
+    g.err.fault_decoded = 2;
+  }
 #else
   (void)uctx;
 #endif
+}
+
+static void on_signal(int sig, siginfo_t* si, void* uctx) {
+  g.err.signo = sig;
+  if (sig == SIGSEGV || sig == SIGBUS) record_fault(si, uctx);
   int code = sig == SIGSEGV || sig == SIGBUS ? E_MEMORY : sig == SIGVTALRM ? E_TIMEOUT : sig == SIGFPE ? E_TRAP : E_OTHER;
   const char* what = sig == SIGFPE ? (si->si_code == FPE_INTDIV ? "integer division by zero" : "arithmetic exception")
                      : sig == SIGILL ? "illegal instruction"
@@ -475,7 +496,7 @@ static void on_signal(int sig, siginfo_t* si, void* uctx) {
   set_error(code, "%s", what);
   if (code == E_MEMORY && g.cur) {
     char* lo = g.cur->fiber.stack;
-    if (si->si_addr >= static_cast<void*>(lo) && si->si_addr < static_cast<void*>(lo + 4096))
+    if (g.err.fault_addr >= reinterpret_cast<uintptr_t>(lo) && g.err.fault_addr < reinterpret_cast<uintptr_t>(lo + 4096))
       append_error(": stack overflow (the sim gives each CUDA thread %zu KiB of stack)", kStackSize / 1024);
   }
   siglongjmp(g.jmp, 1);
