@@ -16,6 +16,11 @@ from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks, PoolUsage
 from cupaged.varlen_attention import varlen_attention
 
 __version__ = "0.1.0"
+
+for _public in (KVCache, BatchPlan, BlockPool, OutOfBlocks, PoolUsage):
+    _public.__module__ = __name__  # tracebacks and reprs name cupaged.X, where users import it from
+del _public
+
 __all__ = [
     "reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla", "gather_and_maybe_dequant_cache",
     "cp_gather_cache", "copy_blocks", "swap_blocks", "paged_attention", "paged_attention_v1",

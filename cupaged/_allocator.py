@@ -29,6 +29,9 @@ class OutOfBlocks(RuntimeError):
                          f"{available} are free or evictable")
         self.needed, self.available = needed, available
 
+    def __reduce__(self):  # picklable (e.g. across a worker process) despite the two-argument __init__
+        return type(self), (self.needed, self.available)
+
 
 class BlockAllocator:
     def __init__(self, num_blocks: int):

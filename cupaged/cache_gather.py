@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._cache_args import KV_CODE, cache_dtype, check_index, host_copy, scale_args
-from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
-    element_strides, validate_enabled
+from cupaged._cache_args import KV_CODE, cache_dtype, check_index, check_scale_values, host_copy, scale_args
+from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
+    check_writable, element_strides, validate_enabled
 from cupaged._runtime import array_module
 from cupaged.cache_ops import FAMILY, _gather, _words
 
@@ -29,17 +29,20 @@ def _check_tables(block_table, cu_seq_lens, seq_starts, batch: int):
             raise ValueError(f"seq_starts must have >= {batch} entries, got {seq_starts.shape[0]}")
 
 
-def _check_reads(src_cache, block_table, cu_seq_lens, seq_starts, seqs_of_tokens):
-    """validate=True: every (sequence, token) read stays inside its block-table row and the pool."""
+def _check_reads(src_cache, block_table, cu_seq_lens, seq_starts, seqs_of_tokens, skip_past_row=False):
+    """validate=True: every (sequence, token) read stays inside its block-table row and the pool
+    (``skip_past_row``: positions past the row are not read, so they pass)."""
     bt, cu = host_copy(block_table), host_copy(cu_seq_lens).astype(np.int64)
     if np.any(np.diff(cu) < 0) or cu[0] != 0:
         raise ValueError("cu_seq_lens must start at 0 and be non-decreasing")
     starts = host_copy(seq_starts).astype(np.int64) if seq_starts is not None else np.zeros(len(cu), np.int64)
     block_size, num_blocks = src_cache.shape[1], src_cache.shape[0]
     for b, tokens in seqs_of_tokens(cu):
-        if tokens.size == 0:
-            continue
         pos = tokens - cu[b] + starts[b]
+        if skip_past_row:
+            pos = pos[pos // block_size < bt.shape[1]]
+        if pos.size == 0:
+            continue
         idx = pos // block_size
         if idx.max() >= bt.shape[1] or pos.min() < 0:
             raise ValueError(f"sequence {b} reads position {pos.max()}, past its block_table row of "
@@ -55,7 +58,9 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
     """vLLM's ``gather_and_maybe_dequant_cache``: token ``t < num_tokens`` of sequence
     ``b = token_to_seq[t]`` reads logical position ``t - cu_seq_lens[b] (+ seq_starts[b])`` through
     ``block_table[b]`` from ``src_cache`` ``[num_blocks, block_size, entry_size]`` into ``dst[t]``
-    (dequantized into dst's dtype for fp8). Tokens at or past ``cu_seq_lens[b + 1]`` are skipped."""
+    (dequantized into dst's dtype for fp8). Tokens at or past ``cu_seq_lens[b + 1]``, and tokens whose
+    position runs past the end of ``block_table[b]`` (a chunk's ``seq_starts`` past the row: vLLM's
+    guard), are skipped: their dst rows are left as they were."""
     xp = array_module(src_cache=src_cache, dst=dst, block_table=block_table, cu_seq_lens=cu_seq_lens,
                       token_to_seq=token_to_seq, seq_starts=seq_starts)
     check_ndim("src_cache", src_cache, 3, "[num_blocks, block_size, entry_size]")
@@ -69,7 +74,8 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
         raise ValueError(f"dst must be [num_tokens, {src_cache.shape[2]}] like src_cache's rows, got {tuple(dst.shape)}")
     check_last_contiguous("src_cache", src_cache)
     check_last_contiguous("dst", dst)
-    num_tokens = int(num_tokens)
+    check_writable("dst", dst)
+    num_tokens = check_int("num_tokens", num_tokens, 0)
     check_index("token_to_seq", token_to_seq, 1, "[num_tokens]")
     if not 0 <= num_tokens <= min(dst.shape[0], token_to_seq.shape[0]):
         raise ValueError(f"num_tokens={num_tokens} must be in [0, min(dst rows {dst.shape[0]}, "
@@ -83,7 +89,9 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
             raise ValueError(f"token_to_seq holds a sequence index outside [0, {batch})")
         tokens = np.arange(num_tokens)
         _check_reads(src_cache, block_table, cu_seq_lens, seq_starts,
-                     lambda cu: ((b, tokens[(t2s == b) & (tokens < cu[b + 1])]) for b in range(batch)))
+                     lambda cu: ((b, tokens[(t2s == b) & (tokens < cu[b + 1])]) for b in range(batch)),
+                     skip_past_row=True)
+        check_scale_values(kv_cache_dtype, scale=scale)
     if num_tokens == 0:
         return
     strides = (*element_strides("src_cache", src_cache)[:2], element_strides("dst", dst)[0],
@@ -91,7 +99,8 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
     kernel = FAMILY.function(_gather(CTYPE[dst.dtype], KV_CODE[kv_cache_dtype]), xp)
     kernel((num_tokens,), (_THREADS,),
            (src_cache, dst, block_table, cu_seq_lens, token_to_seq, seq_starts, ptr, value,
-            *(np.int64(s) for s in strides), np.int32(dst.shape[1]), np.int32(src_cache.shape[1])))
+            *(np.int64(s) for s in strides), np.int32(dst.shape[1]), np.int32(src_cache.shape[1]), np.int32(batch),
+            np.int32(block_table.shape[1])))
 
 
 def _word_size(arrays, byte_strides, nbytes) -> int:
@@ -121,9 +130,8 @@ def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_st
         raise ValueError(f"dst must be [total_tokens, {', '.join(map(str, src_cache.shape[2:]))}], got {tuple(dst.shape)}")
     if dst.dtype != src_cache.dtype:
         raise TypeError(f"dst must have src_cache's dtype {src_cache.dtype}, got {dst.dtype}")
-    batch_size = int(batch_size)
-    if batch_size < 0:
-        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    check_writable("dst", dst)
+    batch_size = check_int("batch_size", batch_size, 0)
     _check_tables(block_table, cu_seq_lens, seq_starts, batch_size)
     row_bytes = _row_contiguous("src_cache", src_cache, 2)
     _row_contiguous("dst", dst, 1)
@@ -149,6 +157,7 @@ def _check_mapping(block_mapping, xp, bounds, validate):
     """block_mapping int64 [n, 2] of (src, dst), each column inside its cache's blocks (checked
     always for a host mapping, under validate for a device one); a numpy mapping beside cupy caches
     is uploaded. ``bounds``: (name, src num_blocks, dst num_blocks) per cache."""
+    array_module(block_mapping=block_mapping)  # a TypeError naming it unless a numpy or cupy array
     check_index("block_mapping", block_mapping, 2, "[num_pairs, 2] (src, dst)", dtypes=(np.int64,))
     if block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [num_pairs, 2], got shape {tuple(block_mapping.shape)}")
@@ -170,6 +179,10 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
     """Copy whole blocks inside each cache: for every (src, dst) row of ``block_mapping`` (int64
     ``[n, 2]``, may be numpy beside cupy caches) and every layer, ``cache[dst] = cache[src]``.
     Caches of any layout; ``value_caches`` may be None (MLA). One launch per cache."""
+    for name, group in (("key_caches", key_caches), ("value_caches", value_caches)):
+        if not isinstance(group, (list, tuple)) and not (name == "value_caches" and group is None):
+            raise TypeError(f"{name} must be a list of per-layer caches{' or None' if name == 'value_caches' else ''}"
+                            f", got {type(group).__name__}")
     caches = list(key_caches) + ([] if value_caches is None else list(value_caches))
     names = [f"key_caches[{i}]" for i in range(len(key_caches))]
     if value_caches is not None:
@@ -179,6 +192,7 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
         names += [f"value_caches[{i}]" for i in range(len(value_caches))]
     xp = array_module(**dict(zip(names, caches)))
     for name, cache in zip(names, caches):
+        check_writable(name, cache)
         if cache.ndim < 2:
             raise ValueError(f"{name} must be [num_blocks, ...], got shape {tuple(cache.shape)}")
         _row_contiguous(name, cache, 1)
@@ -206,6 +220,8 @@ def swap_blocks(src, dst, block_mapping):
         raise TypeError(f"dst must have src's dtype {src.dtype}, got {dst.dtype}")
     if src.shape[1:] != dst.shape[1:]:
         raise ValueError(f"src and dst blocks differ: {tuple(src.shape[1:])} vs {tuple(dst.shape[1:])}")
+    check_writable("dst", dst)
+    array_module(block_mapping=block_mapping)  # a TypeError naming it unless a numpy or cupy array
     pairs = host_copy(block_mapping)
     _check_mapping(pairs, np, [("src/dst", src.shape[0], dst.shape[0])], None)
     if pairs.shape[0] == 0:

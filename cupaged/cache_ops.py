@@ -8,6 +8,7 @@ import numpy as np
 from cupaged._cache_args import (
     KV_CODE,
     cache_dtype,
+    check_scale_values,
     check_slot_mapping,
     check_slots_in_pool,
     kernel_scalar_type,
@@ -21,6 +22,7 @@ from cupaged._checks import (
     check_choice,
     check_last_contiguous,
     check_ndim,
+    check_writable,
     element_strides,
     validate_enabled,
 )
@@ -84,6 +86,7 @@ def _check_key_value(key, value, kv_cache_dtype):
 def _check_cache_dtype(name, cache, want, kv_cache_dtype):
     if cache.dtype != want:
         raise TypeError(f"{name} must have dtype {want} for kv_cache_dtype={kv_cache_dtype!r}, got {cache.dtype}")
+    check_writable(name, cache)
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
@@ -124,6 +127,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     num_blocks, block_size = key_cache.shape[0], key_cache.shape[page_axis]
     if validate_enabled(validate):
         check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
+        check_scale_values(kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     if num_tokens == 0 or num_kv_heads * head_size == 0:
         return
     strides = (*element_strides("key", key)[:2], *element_strides("value", value)[:2],
@@ -170,6 +174,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     scales = kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
     if validate_enabled(validate):
         check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
+        check_scale_values(kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     if num_tokens == 0 or num_kv_heads * head_size == 0:
         return
     kv_strides = (*element_strides("key", key)[:2], *element_strides("value", value)[:2])
@@ -208,6 +213,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     num_blocks, block_size = kv_cache.shape[:2]
     if validate_enabled(validate):
         check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
+        check_scale_values(kv_cache_dtype, scale=scale)
     if num_tokens == 0:
         return
     strides = (element_strides("kv_c", kv_c)[0], element_strides("k_pe", k_pe)[0],

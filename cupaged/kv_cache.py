@@ -17,7 +17,7 @@ from cupaged._plan import resolve_array_module
 
 __all__ = ["KVCache"]
 
-LAYOUTS = ("NHD", "HND", "vllm")
+LAYOUTS = ("NHD", "HND", "vllm", "mla")
 
 
 def _positive(name: str, value) -> int:
@@ -35,10 +35,13 @@ class KVCache:
     """``num_layers`` pairs of key/value caches of ``num_blocks`` blocks of ``block_size`` tokens.
 
     ``layout``: "NHD" ``[num_blocks, block_size, num_kv_heads, head_size]`` (flash kernels),
-    "HND" ``[num_blocks, num_kv_heads, block_size, head_size]``, or "vllm" (paged-attention
+    "HND" ``[num_blocks, num_kv_heads, block_size, head_size]``, "vllm" (paged-attention
     v1/v2): K ``[num_blocks, num_kv_heads, head_size // x, block_size, x]``, V ``[num_blocks,
     num_kv_heads, head_size, block_size]`` with x = 16 // itemsize, so a thread's 16-byte load
-    holds x consecutive elements of one key. ``kv_cache_dtype`` "auto" stores ``dtype``; the fp8
+    holds x consecutive elements of one key; or "mla": one latent cache per layer, ``key(layer)``
+    ``[num_blocks, block_size, head_size]`` with ``head_size = kv_lora_rank + rope_dim`` and
+    ``num_kv_heads = 1`` (``concat_and_cache_mla`` writes it, ``mla_decode`` reads it); there is no
+    value cache (``value(layer)`` raises, ``value_caches`` is None). ``kv_cache_dtype`` "auto" stores ``dtype``; the fp8
     kinds store uint8. ``xp``: None (cupy when a GPU is usable, else the sim), numpy or
     ``cupaged.sim`` (guarded numpy), or cupy. New caches hold 0xFF bytes (NaN), so a kernel that
     reads a slot nobody wrote produces NaN rather than a plausible number.
@@ -55,13 +58,18 @@ class KVCache:
         self.dtype, self.kv_cache_dtype = np.dtype(dtype), kv_cache_dtype
         check_choice("layout", layout, LAYOUTS)
         self.layout = layout
+        if layout == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"layout='mla' holds one latent head: num_kv_heads must be 1, got {num_kv_heads}")
         self.key_shape, self.value_shape = self._shapes()
         self.xp = resolve_array_module(xp)
         self.key_caches = [self._allocate(self.key_shape) for _ in range(self.num_layers)]
-        self.value_caches = [self._allocate(self.value_shape) for _ in range(self.num_layers)]
+        self.value_caches = None if layout == "mla" else [self._allocate(self.value_shape)
+                                                          for _ in range(self.num_layers)]
 
     def _shapes(self):
         n, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        if self.layout == "mla":
+            return (n, bs, d), None
         if self.layout == "NHD":
             return (n, bs, h, d), (n, bs, h, d)
         if self.layout == "HND":
@@ -82,6 +90,9 @@ class KVCache:
         return self.key_caches[self._layer(layer)]
 
     def value(self, layer: int):
+        if self.value_caches is None:
+            raise ValueError("layout='mla' has no value cache: the value is the first kv_lora_rank entries of each "
+                             "latent row of key(layer)")
         return self.value_caches[self._layer(layer)]
 
     def _layer(self, layer) -> int:
@@ -93,20 +104,22 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.num_layers * self.bytes_per_block(
-            self.block_size, self.num_kv_heads, self.head_size, self.dtype, kv_cache_dtype=self.kv_cache_dtype
-        ) * self.num_blocks
+        return self.num_layers * self.num_blocks * self.bytes_per_block(
+            self.block_size, self.num_kv_heads, self.head_size, self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+            layout=self.layout)
 
     @staticmethod
-    def bytes_per_block(block_size, num_kv_heads, head_size, dtype, *, kv_cache_dtype="auto") -> int:
-        """Bytes of one block of one layer, keys and values (the same in every layout)."""
+    def bytes_per_block(block_size, num_kv_heads, head_size, dtype, *, kv_cache_dtype="auto", layout="NHD") -> int:
+        """Bytes of one block of one layer, keys and values (the same in every layout but "mla", which
+        holds one latent row per token and no values)."""
         itemsize = _cache_dtype(dtype, kv_cache_dtype).itemsize
-        return 2 * _positive("block_size", block_size) * _positive("num_kv_heads", num_kv_heads) * \
-            _positive("head_size", head_size) * itemsize
+        check_choice("layout", layout, LAYOUTS)
+        return (1 if layout == "mla" else 2) * _positive("block_size", block_size) * \
+            _positive("num_kv_heads", num_kv_heads) * _positive("head_size", head_size) * itemsize
 
     @classmethod
     def num_blocks_for(cls, nbytes, num_layers, block_size, num_kv_heads, head_size, dtype, *,
-                       kv_cache_dtype="auto") -> int:
+                       kv_cache_dtype="auto", layout="NHD") -> int:
         """The most blocks whose caches fit in ``nbytes`` (e.g. free GPU memory less the
         activations' headroom): size the BlockPool and the KVCache with it."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
@@ -114,7 +127,7 @@ class KVCache:
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         per_block = _positive("num_layers", num_layers) * cls.bytes_per_block(
-            block_size, num_kv_heads, head_size, dtype, kv_cache_dtype=kv_cache_dtype)
+            block_size, num_kv_heads, head_size, dtype, kv_cache_dtype=kv_cache_dtype, layout=layout)
         return int(nbytes) // per_block
 
     def __repr__(self):

@@ -98,7 +98,8 @@ def _positions(cu_seq_lens, seq_starts, seqs, tokens):
 
 def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
                                    kv_cache_dtype="auto", scale=1.0, seq_starts=None):
-    """Return a copy of dst with row t = cache row of token t (dequantized to dst's dtype)."""
+    """Return a copy of dst with row t = cache row of token t (dequantized to dst's dtype); tokens at or
+    past their sequence's end, or whose position runs past the block-table row, are skipped (vLLM)."""
     dst = np.array(dst, copy=True)
     tokens = np.arange(int(num_tokens))
     seqs = np.asarray(token_to_seq).astype(np.int64)[:num_tokens]
@@ -106,6 +107,8 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
     tokens, seqs = tokens[live], seqs[live]
     pos = _positions(cu_seq_lens, seq_starts, seqs, tokens)
     block_size = src_cache.shape[1]
+    inside = pos // block_size < np.asarray(block_table).shape[1]
+    tokens, seqs, pos = tokens[inside], seqs[inside], pos[inside]
     rows = np.asarray(src_cache)[np.asarray(block_table)[seqs, pos // block_size], pos % block_size]
     if kv_cache_dtype != "auto":
         rows = dequantize_fp8(rows, scale, kv_cache_dtype)

@@ -18,9 +18,9 @@
 //   v1 reshape_and_cache_kernel: one CTA per token; a key chunk of x elements is one 16-byte
 //      store in the vLLM layout, value elements are block_size apart (inherent to that layout).
 //   v1 concat_and_cache_mla_kernel: one CTA per token, latent then rope part.
-//   v1 gather_cache_kernel: one CTA per gathered token (token_to_seq given: vLLM's
-//      gather_and_maybe_dequant_cache), or (sequence, split) CTAs walking a sequence
-//      (cp_gather_cache); fp8 rows dequantized into dst's dtype.
+//   v1 gather_and_maybe_dequant_cache_kernel: one CTA per gathered token (vLLM's op; tokens past
+//      their sequence or past its block-table row are skipped); fp8 rows dequantized into dst's dtype.
+//   v1 cp_gather_cache_kernel: (sequence, split) CTAs walking a sequence, raw 16-byte words.
 //   v1 copy_blocks_kernel: one CTA per (src, dst) pair, the block moved as raw 16-byte words.
 //
 // Test:      pytest tests/test_cache_ops.py        (sim; cuda too when a GPU is present)
@@ -131,11 +131,14 @@ __global__ void __launch_bounds__(256) gather_and_maybe_dequant_cache_kernel(
     const int* __restrict__ seq_starts,     // [batch] or nullptr
     const float* __restrict__ scale, float scale_value,
     long long block_stride, long long entry_stride, long long dst_stride, long long table_stride,
-    int entry_size, int block_size) {
+    int entry_size, int block_size, int batch, int table_width) {
   const int token = blockIdx.x;
   const int b = token_to_seq[token];
-  if (token >= cu_seq_lens[b + 1]) return;
-  const long long pos = token - cu_seq_lens[b] + (seq_starts ? seq_starts[b] : 0);
+  if (b < 0 || b >= batch || token >= cu_seq_lens[b + 1]) return;  // a bad sequence index, or past its tokens
+  const long long pos = token - (long long)cu_seq_lens[b] + (seq_starts ? seq_starts[b] : 0);
+  // vLLM's guard: a chunk whose seq_starts offset runs past the block-table row is valid input whose
+  // tokens are skipped (their dst rows untouched), never a read past the row.
+  if (pos < 0 || pos / block_size >= table_width) return;
   const long long block = block_table[b * table_stride + pos / block_size];
   gather_row<KV>(dst + token * dst_stride, src_cache + block * block_stride + pos % block_size * entry_stride,
                  entry_size, read_scale(scale, scale_value, 0, 0));

@@ -64,18 +64,43 @@ def test_gather_and_maybe_dequant_cache(backend, kv_cache_dtype, dtype, with_sta
     assert np.isnan(backend.to_numpy(dst)[num_tokens:].astype(np.float32)).all(), "padding rows were written"
 
 
-def test_gather_rejects_chunk_past_block_table_row(backend):
+@pytest.mark.parametrize("validate", [False, True], ids=["default", "validate"])
+def test_gather_skips_tokens_past_the_block_table_row(backend, validate):
+    """vLLM's guard: a chunk whose seq_starts runs past the row is valid input; those tokens are skipped
+    (dst rows untouched), the rest gathered, and nothing past the row is read (before: a read of the
+    next row, or past the table)."""
     rng = np.random.default_rng(4)
     table, cu = sequences(rng, [20, 10], 32, 16)
+    table = table[:, :2]  # sequence 0 holds 32 positions in its row
     cache, _ = mla_pool(rng, 32, 16, np.float16, "auto")
-    dst0 = np.zeros((30, RANK + ROPE), np.float16)
+    dst0 = np.full((30, RANK + ROPE), np.nan, np.float16)
     dst = backend.asarray(dst0)
-    starts = np.array([table.shape[1] * 16, 0], np.int32)  # sequence 0 would read past its row
-    with pytest.raises(ValueError, match="past its block_table row"):
-        cupaged.gather_and_maybe_dequant_cache(backend.asarray(cache), dst, backend.asarray(table), backend.asarray(cu),
-                                               backend.asarray(np.repeat([0, 1], [20, 10]).astype(np.int32)), 30,
-                                               seq_starts=backend.asarray(starts), validate=True)
-    assert_bytes_equal(backend.to_numpy(dst), dst0, "dst after a rejected call")
+    starts = np.array([20, 0], np.int32)  # sequence 0 reads positions 20..39: 32..39 are past its row
+    token_to_seq = np.repeat([0, 1], [20, 10]).astype(np.int32)
+    cupaged.gather_and_maybe_dequant_cache(backend.asarray(cache), dst, backend.asarray(table), backend.asarray(cu),
+                                           backend.asarray(token_to_seq), 30, seq_starts=backend.asarray(starts),
+                                           validate=validate)
+    ref = reference.gather_and_maybe_dequant_cache(cache, dst0, table, cu, token_to_seq, 30, seq_starts=starts)
+    assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
+    assert np.isnan(backend.to_numpy(dst)[12:20].astype(np.float32)).all(), "rows past the block-table row written"
+    assert not np.isnan(backend.to_numpy(dst)[:12].astype(np.float32)).any()
+
+
+@pytest.mark.parametrize("bad", [-1, 2], ids=["minus1", "batch"])
+def test_gather_validate_rejects_token_to_seq_outside_the_batch(backend, bad):
+    rng = np.random.default_rng(4)
+    table, cu = sequences(rng, [3, 4], 8, 16)
+    cache, _ = mla_pool(rng, 8, 16, np.float16, "auto")
+    dst0 = np.full((7, RANK + ROPE), np.nan, np.float16)
+    token_to_seq = np.repeat([0, 1], [3, 4]).astype(np.int32)
+    token_to_seq[5] = bad
+    args = [backend.asarray(a) for a in (cache, dst0, table, cu, token_to_seq)]
+    with pytest.raises(ValueError, match="token_to_seq"):
+        cupaged.gather_and_maybe_dequant_cache(*args, 7, validate=True)
+    assert_bytes_equal(backend.to_numpy(args[1]), dst0, "dst after a rejected call")
+    cupaged.gather_and_maybe_dequant_cache(*args, 7)  # without validate: the bad token is skipped, not read
+    got = backend.to_numpy(args[1]).astype(np.float32)
+    assert np.isnan(got[5]).all() and not np.isnan(got[[0, 1, 2, 3, 4, 6]]).any()
 
 
 @pytest.mark.parametrize("change, exc, name", [
