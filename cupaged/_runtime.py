@@ -101,14 +101,19 @@ def quiet() -> bool:
 
 
 @contextlib.contextmanager
-def compile_notice(what: str):
-    """``cupaged: compiling WHAT ... 12.3 s`` on stderr around a compile; the line is finished
-    (``failed after 3.1 s``) when the compile raises."""
-    if quiet():
+def compile_notice(label: str, target: str, tool: str, count: int, min_seconds: float = 0.0):
+    """Announce a compile on stderr: ``cupaged: compiling LABEL for TARGET (TOOL, N kernels) ... 12.3 s``
+    (finished with ``failed after 3.1 s`` when it raises). With ``min_seconds`` (a compile that may
+    be a fast cache hit, like CuPy's) one line afterwards, and only when it took that long."""
+    what = f"{label} for {target} ({tool}, {count} kernel{'' if count == 1 else 's'})"
+    start = time.perf_counter()
+    if quiet() or min_seconds:
         yield
+        took = time.perf_counter() - start
+        if min_seconds and took >= min_seconds and not quiet():
+            print(f"cupaged: compiled {what} in {took:.1f} s", file=sys.stderr, flush=True)
         return
     print(f"cupaged: compiling {what} ...", end="", file=sys.stderr, flush=True)
-    start = time.perf_counter()
     try:
         yield
     except BaseException:
@@ -136,14 +141,10 @@ def _cuda_module(device, source, options, names, label):
             includes = tuple(f"-I{d}" for d in matching_include_dirs(cuda_include_dirs(), major))
         except CudaNotFoundError:
             includes = ()
-        start = time.perf_counter()
-        module = cupy.RawModule(code=source, options=options + includes, name_expressions=names)
-        module.compile()  # CuPy compiles lazily: here, so the time is the compile's
-        took = time.perf_counter() - start
-        if took >= CUDA_NOTICE_S and not quiet():
-            arch = f"sm_{cupy.cuda.Device(device).compute_capability}"
-            print(f"cupaged: compiled {label} for {arch} (NVRTC, {len(names)} kernels) in {took:.1f} s",
-                  file=sys.stderr, flush=True)
+        arch = f"sm_{cupy.cuda.Device(device).compute_capability}"
+        with compile_notice(label, arch, "NVRTC", len(names), min_seconds=CUDA_NOTICE_S):
+            module = cupy.RawModule(code=source, options=options + includes, name_expressions=names)
+            module.compile()  # CuPy compiles lazily: here, inside the notice
         return module
 
 

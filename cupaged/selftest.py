@@ -2,7 +2,8 @@
 without a GPU), run each on a small random case against cupaged.reference, print one table.
 
 Each kernel family contributes cases to CASES: a case takes (asarray, rng) and returns
-(max abs error, tolerance) for one small problem.
+(max abs error, tolerance) for one small problem. Rows are printed as the cases finish (the first
+case of a family waits for its compile, announced on stderr).
 """
 
 from __future__ import annotations
@@ -288,20 +289,23 @@ def run(backend: str | None = None, out=None) -> int:
     elif backend == "cuda" and name != "cuda":
         print("selftest: --backend cuda needs cupy and a GPU", file=sys.stderr)
         return 2
-    rows, failed = [], 0
+    head = ("kernel", "backend", "max abs error", "tolerance", "ok")
+    widths = (max(map(len, [head[0], *CASES])), max(len(head[1]), len(name)), len(head[2]), len(head[3]))
+
+    def row(cells):  # printed as each case finishes: the columns are fixed up front
+        print(" | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " | " + cells[4], file=out, flush=True)
+
+    row(head)
+    failed = 0
     start = time.perf_counter()
     for label, case in CASES.items():
         try:
             err, tol = case(asarray, np.random.default_rng(0))
             ok = err <= tol
-            rows.append((label, name, f"{err:.3g}", f"{tol:.3g}", "ok" if ok else "FAIL"))
+            row((label, name, f"{err:.3g}", f"{tol:.3g}", "ok" if ok else "FAIL"))
         except Exception as e:  # report every kernel, then fail
             ok = False
-            rows.append((label, name, "-", "-", f"ERROR {type(e).__name__}: {e}"))
+            row((label, name, "-", "-", f"ERROR {type(e).__name__}: {e}"))
         failed += not ok
-    head = ("kernel", "backend", "max abs error", "tolerance", "ok")
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(4)]
-    for r in [head] + rows:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)) + " | " + r[4], file=out)
-    print(f"{len(rows) - failed} of {len(rows)} kernels ok on {name} in {time.perf_counter() - start:.1f} s", file=out)
+    print(f"{len(CASES) - failed} of {len(CASES)} kernels ok on {name} in {time.perf_counter() - start:.1f} s", file=out)
     return 1 if failed else 0

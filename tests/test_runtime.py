@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 
@@ -81,6 +82,28 @@ def test_selftest_reports_failures(monkeypatch, capsys):
     assert "FAIL" in out and "ERROR ZeroDivisionError" in out and "0 of 2 kernels ok" in out
 
 
+def test_selftest_streams_rows_in_fixed_columns(monkeypatch):
+    """Each row is out before the next case starts; columns are sized from the labels up front."""
+    import io
+
+    from cupaged import selftest
+
+    out = io.StringIO()
+
+    def second(asarray, rng):
+        assert out.getvalue().splitlines()[1].startswith("a long first label | sim ")
+        return 0.25, 1.0
+
+    monkeypatch.setattr(selftest, "CASES", {"a long first label": lambda asarray, rng: (1.5e-7, 1e-5),
+                                            "second": second})
+    assert selftest.run("sim", out) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "kernel             | backend | max abs error | tolerance | ok"
+    assert lines[1] == "a long first label | sim     | 1.5e-07       | 1e-05     | ok"
+    assert lines[2] == "second             | sim     | 0.25          | 1         | ok"
+    assert lines[3].startswith("2 of 2 kernels ok on sim in ")
+
+
 def test_struct_arg_for_each_backend(monkeypatch):
     """The sim gets the numpy scalar; CuPy gets a CPointer to the struct's bytes."""
     from cupaged._runtime import struct_arg
@@ -102,3 +125,73 @@ def test_cuda_path_passes_only_headers_of_cupys_cuda_major():
             "/usr/local/cuda/include")
     assert matching_include_dirs(dirs, 13) == dirs[:2]
     assert matching_include_dirs(dirs, 12) == ()
+
+
+def _tiny_family(tmp_path, monkeypatch, tag: str) -> KernelFamily:
+    """A one-kernel family in a temporary kernels_cu (not registered); ``tag`` makes its source
+    unique, so no module memoized by another test serves it."""
+    (tmp_path / "tiny.cu").write_text(f'// {tag}\nextern "C" __global__ void k(float* out) {{ out[threadIdx.x] = 1.0f; }}\n')
+    monkeypatch.setattr(_runtime, "kernels_dir", lambda: str(tmp_path))
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CUPAGED_QUIET", raising=False)
+    fam = KernelFamily.__new__(KernelFamily)
+    fam.stem, fam.name_expressions = "tiny", ("k",)
+    return fam
+
+
+def test_first_compile_of_a_family_is_announced(tmp_path, monkeypatch, capfd):
+    fam = _tiny_family(tmp_path, monkeypatch, "announced")
+    kernel = fam.function("k", np)
+    err = capfd.readouterr().err
+    assert re.fullmatch(r"cupaged: compiling kernels_cu/tiny\.cu for the sim \(g\+\+, 1 kernel\) \.\.\. \d+\.\d s\n", err), err
+    assert fam.function("k", np) is kernel and capfd.readouterr().err == ""  # memoized: silent
+
+
+def test_quiet_family_compile(tmp_path, monkeypatch, capfd):
+    fam = _tiny_family(tmp_path, monkeypatch, "quiet")
+    monkeypatch.setenv("CUPAGED_QUIET", "1")
+    fam.function("k", np)
+    assert capfd.readouterr().err == ""
+
+
+def test_cuda_compile_is_announced_only_when_slow(tmp_path, monkeypatch, capfd):
+    """CuPy compiles lazily and caches on disk: the notice times RawModule.compile() and speaks
+    only past CUDA_NOTICE_S (a fake cupy here: no GPU needed)."""
+    compiled = []
+
+    class Device:
+        id, compute_capability = 0, "90"
+
+        def __init__(self, device=0):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class RawModule:
+        def __init__(self, code, options, name_expressions):
+            self.name_expressions = name_expressions
+
+        def compile(self):
+            compiled.append(self.name_expressions)
+
+        def get_function(self, name):
+            return ("kernel", name)
+
+    cupy = types.ModuleType("cupy")
+    cupy.RawModule = RawModule
+    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(runtimeGetVersion=lambda: 13000))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    for tag, threshold, notice in (("fast", 1e9, False), ("slow", 1e-9, True)):
+        fam = _tiny_family(tmp_path, monkeypatch, tag)
+        monkeypatch.setattr(_runtime, "CUDA_NOTICE_S", threshold)
+        assert fam.function("k", cupy) == ("kernel", "k")
+        err = capfd.readouterr().err
+        if notice:
+            assert re.fullmatch(r"cupaged: compiled kernels_cu/tiny\.cu for sm_90 \(NVRTC, 1 kernel\) in \d+\.\d s\n", err), err
+        else:
+            assert err == ""
+    assert compiled == [("k",), ("k",)]

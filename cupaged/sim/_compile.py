@@ -145,8 +145,7 @@ def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.C
                 static_smem, dyn_offset = (int(x) for x in f.read().split())
             return lib, static_smem, dyn_offset
     label = label or f"a {code.count(chr(10)) + 1}-line CUDA source"
-    plural = "" if len(names) == 1 else "s"
-    with compile_notice(f"{label} for the sim ({os.path.basename(cxx)}, {len(names)} kernel{plural})"):
+    with compile_notice(label, "the sim", os.path.basename(cxx), len(names)):
         with tempfile.TemporaryDirectory(dir=d) as tmp:
             lib, static_smem, dyn_offset = _compile(cxx, tmp, code, passed, names, cuda_inc)
             os.replace(os.path.join(tmp, "module.so"), so)
