@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import sim
+from cupaged import reference, sim
 from cupaged import BlockPool, KVCache
 from cupaged.sim._memory import guarded_buffer
-from tests.conftest import gpu_available
+from tests.conftest import assert_close, gpu_available
 
 FIELDS = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "positions")
 
@@ -233,3 +233,29 @@ def test_to_device_on_the_gpu():
         for field in FIELDS:
             got = getattr(dev, field)
             assert isinstance(got, cupy.ndarray) and np.array_equal(got.get(), getattr(plan, field))
+
+
+def test_mla_layout_end_to_end(backend):
+    """layout="mla": one latent cache per layer that concat_and_cache_mla writes and mla_decode reads;
+    no value cache; half the bytes of a key/value pair of the same width."""
+    xp = sim if backend.name == "sim" else backend.xp
+    kv = KVCache(2, 8, 16, 1, 576, np.float16, layout="mla", xp=xp)
+    assert kv.key(1).shape == (8, 16, 576) and kv.value_caches is None
+    assert kv.nbytes == 2 * 8 * 16 * 576 * 2 == KVCache.bytes_per_block(16, 1, 576, np.float16, layout="mla") * 16
+    assert KVCache.num_blocks_for(kv.nbytes, 2, 16, 1, 576, np.float16, layout="mla") == 8
+    with pytest.raises(ValueError, match="no value cache"):
+        kv.value(0)
+    with pytest.raises(ValueError, match="num_kv_heads must be 1"):
+        KVCache(1, 8, 16, 2, 576, np.float16, layout="mla")
+    rng = np.random.default_rng(0)
+    pool = BlockPool(8, 16)
+    slots = pool.append("a", 40)
+    kv_c, k_pe = rng.standard_normal((40, 512)).astype(np.float16), rng.standard_normal((40, 64)).astype(np.float16)
+    cupaged.concat_and_cache_mla(backend.asarray(kv_c), backend.asarray(k_pe), kv.key(0), backend.asarray(slots))
+    q = rng.standard_normal((1, 16, 576)).astype(np.float16)
+    table, lens = np.array([pool.block_table("a")], np.int32), np.array([40], np.int32)
+    out = cupaged.mla_decode(backend.asarray(q), kv.key(0), backend.asarray(table), backend.asarray(lens), scale=0.05)
+    ref, _ = reference.mla_decode(q, backend.to_numpy(kv.key(0)), table, lens, scale=0.05)
+    assert_close(backend.to_numpy(out), ref, np.float16)
+    latent = np.concatenate([kv_c, k_pe], axis=1)
+    assert np.array_equal(backend.to_numpy(kv.key(0))[table[0, 1], 3], latent[19]), "token 19 not in its slot"

@@ -124,7 +124,8 @@ class UpProjection:
     ([32, 32], 64),        # exactly the workspace
     ([200, 5, 131], 48),   # several times the workspace
     ([0, 0], 16),          # no cached context at all
-], ids=["shorter", "equal", "several", "none"])
+    ([9, 4, 6], 2),        # fewer workspace rows than sequences with context (before: failed in the gather)
+], ids=["shorter", "equal", "several", "none", "workspace<batch"])
 def test_mla_chunked_prefill_matches_one_shot_attention(backend, kv_cache_dtype, contexts, workspace_tokens):
     rng = np.random.default_rng(sum(contexts) + workspace_tokens)
     heads, dtype, block_size = 4, np.float16, 16
@@ -173,3 +174,59 @@ def test_mla_chunked_prefill_checks_scale_without_context(backend):
     with pytest.raises(ValueError, match="k_scale"):
         cupaged.mla_chunked_prefill(*a, np.array([0], np.int32), UpProjection(rng, 4, np.float16),
                                     kv_cache_dtype="fp8", k_scale=-1.0)
+
+
+def _prefill_args(backend, rng, contexts=(10, 20), heads=4):
+    cache, table, _ = latent_pool(rng, list(contexts), 16, np.float16, "auto")
+    n = len(contexts)
+    cu_q = np.arange(n + 1, dtype=np.int32)
+    arrays = [np.zeros((n, heads, 192), np.float16), np.zeros((n, heads, 192), np.float16),
+              np.zeros((n, heads, 128), np.float16), cache, table, cu_q]
+    return [backend.asarray(a) for a in arrays], np.array(contexts, np.int32)
+
+
+def test_mla_chunked_prefill_checks_up_proj_heads(backend):
+    """An up_proj returning 2 heads where k_new has 4 was silently taken as GQA."""
+    rng = np.random.default_rng(7)
+    args, contexts = _prefill_args(backend, rng)
+    with pytest.raises(ValueError, match="up_proj's k must be \\[30, 4, 192\\]"):
+        cupaged.mla_chunked_prefill(*args, contexts, UpProjection(rng, 2, np.float16))
+    with pytest.raises(TypeError, match="up_proj"):
+        cupaged.mla_chunked_prefill(*args, contexts, "not callable")
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (lambda a: {"out": np.zeros((2, 4, 192), np.float16)}, ValueError, "out"),
+    (lambda a: {"scale": "x"}, TypeError, "scale"),
+    (lambda a: {"return_lse": "yes"}, TypeError, "return_lse"),
+    (lambda a: {"validate": "yes"}, TypeError, "validate"),
+    (lambda a: {"kv_cache_dtype": "fp8"}, TypeError, "kv_cache"),
+    (lambda a: {"workspace_tokens": 2.5}, TypeError, "workspace_tokens"),
+], ids=["out shape", "scale", "return_lse", "validate", "fp8 float cache", "workspace_tokens float"])
+def test_mla_chunked_prefill_checks_everything_before_the_first_launch(backend, change, exc, match):
+    """Each bad argument is caught before the first gather writes the caller's workspace."""
+    rng = np.random.default_rng(8)
+    args, contexts = _prefill_args(backend, rng)
+    workspace = backend.asarray(np.full((64, RANK + ROPE), 7, np.float16))
+    kwargs = {k: backend.asarray(v) if isinstance(v, np.ndarray) else v for k, v in change(args).items()}
+    with pytest.raises(exc, match=match):
+        cupaged.mla_chunked_prefill(*args, contexts, UpProjection(rng, 4, np.float16), workspace=workspace, **kwargs)
+    assert (backend.to_numpy(workspace) == 7).all(), "the workspace was written before the error"
+
+
+def test_mla_chunked_prefill_validate(backend):
+    rng = np.random.default_rng(9)
+    args, contexts = _prefill_args(backend, rng)
+    table = backend.to_numpy(args[4]).copy()
+    table[1, 0] = 10**6
+    args[4] = backend.asarray(table)
+    with pytest.raises(ValueError, match="block_tables\\[1\\] holds block id 1000000"):
+        cupaged.mla_chunked_prefill(*args, contexts, UpProjection(rng, 4, np.float16), validate=True)
+
+
+def test_mla_decode_scale_is_required(backend):
+    rng = np.random.default_rng(10)
+    cache, table, _ = latent_pool(rng, [10], 16, np.float16, "auto")
+    args = [backend.asarray(a) for a in (np.zeros((1, 16, 576), np.float16), cache, table, np.array([10], np.int32))]
+    with pytest.raises(TypeError, match="mla_decode needs scale=.*qk_nope_head_dim"):
+        cupaged.mla_decode(*args)
