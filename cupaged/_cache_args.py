@@ -35,16 +35,17 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     ``[num_kv_heads]`` float32 values is read by the kernel through a pointer, never on the host.
     A numpy scale array beside cupy data is uploaded. Scales are ignored for "auto".
     """
+    number = isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_))
+    module = type(scale).__module__.split(".")[0]
+    if not number and (module not in ("numpy", "cupy") or not hasattr(scale, "dtype")):
+        raise TypeError(f"{name} must be a float or a float32 array, got {type(scale).__name__} {scale!r}")
     if kv_cache_dtype == "auto":
         return None, np.float32(1.0), np.int32(0)
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+    if number:
         value = float(scale)
         if not np.isfinite(value) or value <= 0:
             raise ValueError(f"{name} must be a finite positive float, got {scale!r}")
         return None, np.float32(value), np.int32(0)
-    module = type(scale).__module__.split(".")[0]
-    if module not in ("numpy", "cupy") or not hasattr(scale, "dtype"):
-        raise TypeError(f"{name} must be a float or a float32 array, got {type(scale).__name__}")
     if scale.dtype != np.float32:
         raise TypeError(f"{name} must be a float32 array, got dtype {scale.dtype}")
     allowed = (1,) if num_kv_heads is None else (1, num_kv_heads)

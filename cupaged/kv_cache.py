@@ -25,7 +25,10 @@ def _positive(name: str, value) -> int:
 
 
 def _cache_dtype(dtype, kv_cache_dtype) -> np.dtype:
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     return cache_dtype(kv_cache_dtype, dtype)

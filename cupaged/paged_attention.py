@@ -149,6 +149,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     kv_split_size = check_optional_int("kv_split_size", kv_split_size, 1)
     max_query_len = check_optional_int("max_query_len", max_query_len, 0)
     max_seq_len = check_optional_int("max_seq_len", max_seq_len, 0)
+    kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)  # checked even when nothing is launched
     check_writable("out", out)
     check_writable("workspace", workspace)
     out = check_out(out, q, "out")

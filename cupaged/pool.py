@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 
 from cupaged._allocator import BlockAllocator, OutOfBlocks
-from cupaged._checks import check_int
+from cupaged._checks import check_bool, check_int
 from cupaged._plan import BatchPlan, PinnedStaging
 from cupaged._pool_state import SequenceTable
 
@@ -92,7 +92,8 @@ class BlockPool:
         if max_blocks_per_seq is not None and _count("max_blocks_per_seq", max_blocks_per_seq) < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1 or None, got {max_blocks_per_seq}")
         self._alloc = BlockAllocator(int(num_blocks))
-        self._seqs = SequenceTable(int(block_size), max_blocks_per_seq, bool(enable_prefix_caching))
+        self._seqs = SequenceTable(int(block_size), max_blocks_per_seq,
+                                   check_bool("enable_prefix_caching", enable_prefix_caching))
         self._staging = PinnedStaging()
 
     num_blocks = property(lambda self: self._alloc.num_blocks)
