@@ -11,7 +11,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("selftest", help="run every kernel on a small case against the numpy reference")
     st.add_argument("--backend", choices=("sim", "cuda"), help="default: cuda when a GPU is present, else sim")
-    sub.add_parser("resources", help="NVRTC compile gate: registers and spills per kernel (sm_80, sm_90)")
+    # no help of its own: `resources --help` reaches cupaged.resources, which lists its options
+    sub.add_parser("resources", add_help=False,
+                   help="NVRTC compile gate: registers and spills per kernel (sm_80, sm_90), results cached")
     args, rest = parser.parse_known_args(argv)
     if args.command == "selftest":
         from cupaged.selftest import run

@@ -8,13 +8,16 @@ a called device function, and sources and options that must fail with the compil
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
 import struct
+import sys
 import types
 
 import pytest
 
-from cupaged import _runtime
+from cupaged import _runtime, resources
 from cupaged._nvrtc import NvrtcError, compile_cubin
 from cupaged.resources import ARCHS, compile_families, compile_resources, kernel_resources, run_gate
 
@@ -24,7 +27,8 @@ GATE_TEST = "test_family_compiles_without_spills"
 
 @pytest.fixture(scope="module")
 def compiled(request):
-    """Compile every selected (family, arch) once, in parallel worker processes."""
+    """Compile every selected (family, arch) once, in parallel worker processes (results are
+    cached per user, keyed by everything that goes into the compile: a rerun is fast)."""
     params = [item.callspec.params for item in request.session.items
               if item.originalname == GATE_TEST and hasattr(item, "callspec")]
     stems = sorted({p["stem"] for p in params})
@@ -176,3 +180,81 @@ def test_run_gate_exit_status():
     assert "SPILLS" in text and "COMPILE ERROR in broken (sm_90)" in text and "undeclared_value" in text
     with pytest.raises(NvrtcError, match=r"broken \(sm_90\)"):
         kernel_resources([good, broken], archs=("sm_90",), jobs=1)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.fixture
+def counted(tmp_path, monkeypatch):
+    """A private results cache; the arches compile_resources is called for, in order."""
+    monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CUPAGED_QUIET", raising=False)
+    calls, real = [], resources.compile_resources
+    monkeypatch.setattr(resources, "compile_resources", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    return calls
+
+
+def _gate(progress=None, **options):
+    """run_gate on one small family in this process: (table, progress text)."""
+    out, progress = io.StringIO(), progress or io.StringIO()
+    assert run_gate([_family("small", HOLD_LIVE, ["gate::hold_live<32>"])], jobs=1, file=out,
+                    progress=progress, **options) == 0
+    return out.getvalue(), progress.getvalue()
+
+
+def test_results_are_cached_and_no_cache_recompiles(counted, tmp_path):
+    table, progress = _gate()
+    assert counted == list(ARCHS)
+    assert re.fullmatch(r"compiling 2 of 2 family x arch with NVRTC in 1 process\(es\)\n"
+                        r"\[1/2\] small sm_80 done in \d+\.\d s\n\[2/2\] small sm_90 done in \d+\.\d s\n", progress)
+    files = sorted(os.listdir(tmp_path / "resources"))
+    assert [f.split("-")[:2] for f in files] == [["small", "sm_80"], ["small", "sm_90"]]
+    assert all(os.stat(tmp_path / "resources" / f).st_mode & 0o777 == 0o600 for f in files)
+
+    again, progress = _gate()
+    assert counted == list(ARCHS)  # nothing compiled
+    assert progress == "[1/2] small sm_80 cached\n[2/2] small sm_90 cached\n"
+    assert again.splitlines()[:-1] == table.splitlines()[:-1]  # the same table
+    assert "(2 of 2 family x arch results cached; --no-cache recompiles)" in again.splitlines()[-1]
+
+    _, progress = _gate(cache=False)
+    assert counted == list(ARCHS) * 2 and progress.count("done in") == 2
+
+
+def test_a_cache_file_that_is_not_private_or_not_valid_is_recompiled(counted, tmp_path):
+    _gate()
+    sm80, sm90 = sorted(tmp_path.joinpath("resources").iterdir())
+    sm80.chmod(0o664)  # writable by the group: never read (and deleted)
+    sm90.write_text("[{\"registers\": 1}]")
+    sm90.chmod(0o600)
+    _, progress = _gate()
+    assert counted == list(ARCHS) * 2 and progress.count("done in") == 2
+    _, progress = _gate()
+    assert counted == list(ARCHS) * 2 and progress.count("cached") == 2
+
+
+def test_progress_is_a_bar_on_a_terminal_and_quiet_silences_it(counted, monkeypatch):
+    _, progress = _gate(progress=_Terminal())
+    lines = progress.split("\n")
+    assert lines[0].startswith("compiling 2 of 2") and lines[2] == ""
+    frames = lines[1].split("\r")[1:]
+    assert frames[0].startswith("[" + "#" * 15 + "." * 15 + "] 1/2 small sm_80 done in ")
+    assert frames[1].startswith("[" + "#" * 30 + "] 2/2 small sm_90 done in ") and frames[1].endswith("\x1b[K")
+    monkeypatch.setenv("CUPAGED_QUIET", "1")
+    assert _gate(progress=_Terminal())[1] == ""
+
+
+def test_command_line_cache_flag(monkeypatch, capsys):
+    from cupaged.__main__ import main as cupaged_main
+
+    seen = []
+    monkeypatch.setattr(resources, "run_gate", lambda *a, **k: seen.append((a, k)) or 0)
+    assert resources.main([]) == 0 and cupaged_main(["resources", "cache_ops", "--no-cache", "--arch", "sm_90"]) == 0
+    assert seen == [((None, ARCHS, None), {"cache": True, "progress": sys.stderr}),
+                    ((["cache_ops"], ("sm_90",), None), {"cache": False, "progress": sys.stderr})]
+    with pytest.raises(SystemExit):
+        cupaged_main(["resources", "--help"])
+    assert "--no-cache" in capsys.readouterr().out

@@ -11,7 +11,8 @@ pages around every buffer) so they are passed without a copy. See design-sim.md 
 Environment: ``CUPAGED_SIM_ORDER=natural|reverse|random[:seed]`` (block and thread scheduling
 order), ``CUPAGED_SIM_TIMEOUT`` (CPU seconds per launch, default 300), ``CUPAGED_SIM_ARCH``
 (``sm_80`` or ``sm_90``, the shared-memory limit enforced; default ``sm_90``),
-``CUPAGED_CACHE_DIR`` (compiled objects; default ``$XDG_CACHE_HOME/cupaged``), ``CXX``.
+``CUPAGED_CACHE_DIR`` (compiled objects; default ``$XDG_CACHE_HOME/cupaged``), ``CXX`` (a g++
+>= 12 driver; the default is ``g++``), ``CUPAGED_QUIET=1`` (no compile notice on stderr).
 """
 
 from cupaged.sim._errors import (
