@@ -40,6 +40,9 @@ extern "C" __global__ void misaligned_movaps(const float* p, float* out) {
   out[0] = v;
 }
 
+// A call through a bad function pointer faults on the instruction fetch: nothing to decode there.
+extern "C" __global__ void call_at(long long target) { reinterpret_cast<void (*)()>(target)(); }
+
 // The decoder itself: registers in x86 encoding order (rax, rcx, rdx, rbx, rsp, rbp, rsi, rdi, r8..r15).
 extern "C" __global__ void decode(const unsigned char* code, const long long* regs, unsigned long long* out) {
   greg_t gregs[NGREG] = {};
@@ -108,6 +111,12 @@ def test_misaligned_aligned_load_is_not_called_out_of_bounds(fn):
     msg = _message(lambda: fn("misaligned_movaps")((1,), (1,), (x, sim.zeros(1))))
     assert f"general-protection fault at address {x.ctypes.data + 4:#x} (p at byte offset 4)" in msg, msg
     assert "misaligned" in msg and "out-of-bounds" not in msg, msg
+
+
+@pytest.mark.parametrize("target", [0, 0x1234])
+def test_a_jump_to_a_bad_address_is_reported_at_that_address(fn, target):
+    msg = _message(lambda: fn("call_at")((1,), (1,), (np.int64(target),)))
+    assert f"invalid memory access at address {target:#x} (not inside any argument)" in msg, msg
 
 
 REGS = {name: 0x1000 * (i + 1) for i, name in enumerate(

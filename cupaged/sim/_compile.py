@@ -144,7 +144,7 @@ def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.C
             with open(meta) as f:
                 static_smem, dyn_offset = (int(x) for x in f.read().split())
             return lib, static_smem, dyn_offset
-    label = label or f"a {code.count(chr(10)) + 1}-line CUDA source"
+    label = label or f"a {len(code.splitlines())}-line CUDA source"
     with compile_notice(label, "the sim", os.path.basename(cxx), len(names)):
         with tempfile.TemporaryDirectory(dir=d) as tmp:
             lib, static_smem, dyn_offset = _compile(cxx, tmp, code, passed, names, cuda_inc)

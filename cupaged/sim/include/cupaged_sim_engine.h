@@ -472,6 +472,7 @@ static void record_fault(siginfo_t* si, void* uctx) {
   g.err.fault_write = (r[REG_ERR] & 2) != 0;
   MemOperand op;
   bool gp = si->si_signo == SIGSEGV && si->si_code == SI_KERNEL;
+  if (!gp && g.err.fault_addr == (unsigned long long)r[REG_RIP]) return;  // a jump to a bad address: no code to read
   if (decode_mem_operand(reinterpret_cast<const unsigned char*>(r[REG_RIP]), r, &op)) {
     g.err.fault_base = op.base;
     g.err.fault_index = op.index;
