@@ -158,3 +158,8 @@ def test_v1_v2_take_validate():
 @pytest.mark.parametrize("cls", ["KVCache", "BatchPlan", "BlockPool", "OutOfBlocks", "PoolUsage"])
 def test_public_classes_name_module_cupaged(cls):
     assert getattr(cupaged, cls).__module__ == "cupaged"
+
+
+@pytest.mark.parametrize("cls", ["RawModule", "RawKernel", "SimError", "SimMemoryError", "SimCompileError"])
+def test_sim_classes_name_module_cupaged_sim(cls):
+    assert getattr(sim, cls).__module__ == "cupaged.sim"

@@ -30,3 +30,8 @@ __all__ = [
     "RawModule", "RawKernel", "SimError", "SimCompileError", "SimMemoryError", "SimSyncError",
     "SimTrapError", "SimTimeoutError", "empty", "zeros", "empty_like", "zeros_like", "asarray",
 ]
+
+for _public in (RawModule, RawKernel, SimError, SimCompileError, SimMemoryError, SimSyncError, SimTrapError,
+                SimTimeoutError):
+    _public.__module__ = __name__  # tracebacks name cupaged.sim.X, where users import it from
+del _public
