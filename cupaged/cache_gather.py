@@ -127,8 +127,8 @@ def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_st
     if src_cache.ndim < 3:
         raise ValueError(f"src_cache must be [num_blocks, block_size, ...], got shape {tuple(src_cache.shape)}")
     if dst.ndim != src_cache.ndim - 1 or dst.shape[1:] != src_cache.shape[2:]:
-        raise ValueError(f"dst must be [total_tokens, {', '.join(map(str, src_cache.shape[2:]))}] (src_cache's entries), "
-                         f"got {tuple(dst.shape)}")
+        entry = ", ".join(map(str, src_cache.shape[2:]))
+        raise ValueError(f"dst must be [total_tokens, {entry}] (src_cache's entries), got {tuple(dst.shape)}")
     if dst.dtype != src_cache.dtype:
         raise TypeError(f"dst must have src_cache's dtype {src_cache.dtype}, got {dst.dtype}")
     check_writable("dst", dst)

@@ -26,9 +26,8 @@ PARAMS = np.dtype([(n, np.int64) for n in (
     "k_chunk_stride", "k_page_stride", "v_block_stride", "v_head_stride", "v_page_stride", "v_dim_stride",
     "table_stride")] + [(n, np.float32) for n in ("scale", "softcap", "k_scale_value", "v_scale_value")] + [
     (n, np.int32) for n in ("scale_per_head", "causal", "window", "always_partials", "partials_in_out_type",
-                            "num_tokens", "num_heads",
-                            "num_kv_heads", "head_size", "v_head_size", "block_size", "kv_split_size",
-                            "max_splits", "tiles", "vec_k", "vec_v")], align=True)  # struct PaParams
+                            "num_tokens", "num_heads", "num_kv_heads", "head_size", "v_head_size", "block_size",
+                            "kv_split_size", "max_splits", "tiles", "vec_k", "vec_v")], align=True)  # struct PaParams
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
 
 

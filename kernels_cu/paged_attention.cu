@@ -32,8 +32,11 @@
 //   v1 paged_attention_reduce_kernel merges the splits of one (token, head), adding the sink once.
 //   Head tiles of one split are adjacent in the grid, so for MLA (one latent head shared by up to 128
 //   query heads, 16 per CTA) the CTAs reading the same cache bytes run together and share them in L2.
+//   v2 (both kernels): split partials float32 (v1 rounded them to out's type: bf16 decode was off by
+//      up to ~3,800 ulps); a CTA loops over its sequence's row tiles and a sequence's splits are
+//      clamped to the partial buffers, so understated host hints stay correct; q . k in four sums.
 //
-// Test:      pytest tests/test_paged_attention.py
+// Test:      pytest tests/test_paged_attention.py tests/test_decode_accuracy.py tests/test_attention_hints.py
 // Benchmark: python profiling/bench_paged_attention.py
 #include "common.cuh"
 
@@ -119,8 +122,8 @@ __device__ __forceinline__ void pa_load_tile(float* ks, float* vs, const CacheT*
   }
 }
 
-// q . k over n dimensions in four interleaved float32 sums: a quarter of the rounding error of one
-// running sum over 576 (MLA) dimensions, which decode's accuracy rule needs, and four times the ILP.
+// q . k over n dimensions in four interleaved float32 sums: about half the rounding error of one running
+// sum, which the decode accuracy rule needs at MLA's 576 dimensions, and four independent chains.
 __device__ __forceinline__ float pa_dot(const float* q, const float* k, int n) {
   float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
   int d = 0;

@@ -57,7 +57,8 @@ def paged_call(data):
     seqs = tuple((1 if decode else data.draw(st.integers(0, min(s, 20))), s) for s in lens)
     causal = decode or data.draw(st.booleans(), label="causal")
     case = Case(heads=data.draw(st.sampled_from([(4, 4), (4, 2), (3, 1), (16, 2)])),
-                head_size=data.draw(st.sampled_from([32, 40, 64, 128])), block_size=data.draw(st.sampled_from([1, 5, 16])),
+                head_size=data.draw(st.sampled_from([32, 40, 64, 128])),
+                block_size=data.draw(st.sampled_from([1, 5, 16])),
                 seqs=seqs, dtype=data.draw(st.sampled_from(DTYPES)), layout=data.draw(st.sampled_from(["NHD", "HND"])),
                 kv_cache_dtype=kv, causal=causal, window=data.draw(st.sampled_from([None, 7])) if causal else None,
                 softcap=data.draw(st.sampled_from([None, 0.0, 20.0])), sinks=data.draw(st.booleans()),
@@ -85,8 +86,8 @@ def vllm_call(data, version):
     dtype = data.draw(st.sampled_from(DTYPES))
     heads = data.draw(st.sampled_from([(4, 4), (4, 2), (6, 1)]))
     lens = data.draw(st.lists(st.integers(1, 600), min_size=1, max_size=3), label="seq_lens")
-    case = Case(heads=heads, head_size=data.draw(st.sampled_from([64, 128])), block_size=data.draw(st.sampled_from([8, 16])),
-                seqs=tuple((1, s) for s in lens), dtype=dtype)
+    case = Case(heads=heads, head_size=data.draw(st.sampled_from([64, 128])),
+                block_size=data.draw(st.sampled_from([8, 16])), seqs=tuple((1, s) for s in lens), dtype=dtype)
     inputs, _, _ = build(case, seed=data.draw(st.integers(0, 99)))
     kc, vc = to_vllm(inputs["key_cache"], "k"), to_vllm(inputs["value_cache"], "v")
     q, tables, seq_lens = inputs["q"], inputs["block_tables"], inputs["seq_lens"]
@@ -164,7 +165,8 @@ def mla_call(data):
 
 def merge_call(data):
     dtype = data.draw(st.sampled_from(DTYPES))
-    tokens, heads, size = data.draw(st.integers(0, 20)), data.draw(st.integers(1, 4)), data.draw(st.sampled_from([8, 64]))
+    tokens, heads = data.draw(st.integers(0, 20)), data.draw(st.integers(1, 4))
+    size = data.draw(st.sampled_from([8, 64]))
     rng = _rng(data)
     po, so = (rng.standard_normal((tokens, heads, size)).astype(dtype) for _ in range(2))
     pl, sl = (rng.uniform(-3, 3, (heads, tokens)).astype(np.float32) for _ in range(2))
@@ -271,7 +273,8 @@ def copy_call(data):
     def check(_):
         assert np.array_equal(kwargs["key_caches"][0], ref_k[0]) and np.array_equal(kwargs["value_caches"][0], ref_v[0])
     return Call(cupaged.copy_blocks, kwargs, ["key_caches", "value_caches"],
-                dict(block_mapping="index", key_caches="caches", value_caches="caches"), check, [("block_mapping", (0, 0))])
+                dict(block_mapping="index", key_caches="caches", value_caches="caches"), check,
+                [("block_mapping", (0, 0))])
 
 
 def swap_call(data):
@@ -329,7 +332,8 @@ def host_objects_call(data):
         heads = 1 if layout == "mla" else data.draw(st.integers(1, 3))
         kwargs = dict(num_layers=data.draw(st.integers(1, 3)), num_blocks=data.draw(st.integers(1, 5)),
                       block_size=data.draw(st.integers(1, 16)), num_kv_heads=heads, head_size=64,
-                      dtype=data.draw(st.sampled_from(DTYPES)), layout=layout, kv_cache_dtype=data.draw(st.sampled_from(KV)))
+                      dtype=data.draw(st.sampled_from(DTYPES)), layout=layout,
+                      kv_cache_dtype=data.draw(st.sampled_from(KV)))
 
         def check(kv):
             assert kv.key(kwargs["num_layers"] - 1).size == kwargs["num_blocks"] * kwargs["block_size"] * heads * 64
@@ -337,7 +341,8 @@ def host_objects_call(data):
                      layout="choice", kv_cache_dtype="choice")
         return Call(cupaged.KVCache, kwargs, [], kinds, check)
     kwargs = dict(num_blocks=data.draw(st.integers(1, 50)), block_size=data.draw(st.integers(1, 16)),
-                  enable_prefix_caching=data.draw(st.booleans()), max_blocks_per_seq=data.draw(st.sampled_from([None, 4])))
+                  enable_prefix_caching=data.draw(st.booleans()),
+                  max_blocks_per_seq=data.draw(st.sampled_from([None, 4])))
 
     def check(pool):
         assert pool.num_free_blocks == kwargs["num_blocks"] and pool.block_size == kwargs["block_size"]
