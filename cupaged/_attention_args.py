@@ -9,7 +9,7 @@ from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, ch
     check_ndim, element_strides
 
 __all__ = ["check_q", "check_caches", "check_tables", "check_head_vector", "check_out", "check_softcap",
-           "validate_tables", "check_hint", "MAX_HEAD_SIZE"]
+           "validate_tables", "validate_offsets", "check_hint", "MAX_HEAD_SIZE"]
 
 MAX_HEAD_SIZE = 256
 
@@ -148,6 +148,16 @@ def check_hint(name: str, hint, actual: int, what: str) -> None:
         raise ValueError(f"{name}={hint} understates {what} = {actual}")
 
 
+def validate_offsets(name: str, offsets, end: int, exact: bool = True) -> np.ndarray:
+    """validate=True: cumulative offsets (query_start_loc, cu_seqlens) start at 0, never decrease and end
+    at ``end`` (at most ``end`` unless ``exact``); returns the per-sequence lengths (reads device arrays)."""
+    c = host_copy(offsets).astype(np.int64)
+    if c[0] != 0 or np.any(np.diff(c) < 0) or (c[-1] != end if exact else c[-1] > end):
+        raise ValueError(f"{name} must start at 0, be non-decreasing and end at {'' if exact else 'most at '}{end}, "
+                         f"got {c.tolist() if c.size <= 8 else c}")
+    return np.diff(c)
+
+
 def validate_tables(block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens, *,
                     max_query_len=None, max_seq_len=None):
     """validate=True: the contents of a paged call's index arrays and its hints (reads device arrays)."""
@@ -155,10 +165,7 @@ def validate_tables(block_tables, seq_lens, query_start_loc, num_blocks, block_s
     if lens.size and lens.min() < 0:
         raise ValueError(f"seq_lens must be >= 0, got seq_lens[{lens.argmin()}] = {lens.min()}")
     if query_start_loc is not None:
-        qsl = host_copy(query_start_loc).astype(np.int64)
-        if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] != num_tokens:
-            raise ValueError(f"query_start_loc must start at 0, be non-decreasing and end at num_tokens={num_tokens}")
-        q_lens = np.diff(qsl)
+        q_lens = validate_offsets("query_start_loc", query_start_loc, num_tokens)
         if np.any(q_lens > lens):
             s = int(np.argmax(q_lens > lens))
             raise ValueError(f"every sequence needs q_len <= seq_len (query_start_loc against seq_lens): sequence "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._attention_args import check_out, check_q, check_tables, validate_tables
+from cupaged._attention_args import check_out, check_q, check_tables, validate_offsets, validate_tables
 from cupaged._cache_args import cache_dtype, check_index, check_scale_values, host_copy, scale_args
 from cupaged._checks import address, check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
     check_optional_int, check_writable, element_strides, validate_enabled
@@ -186,9 +186,7 @@ def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqle
     if out is not None:
         check_out(out, q, "out", shape=(total_q, num_heads, v_head_size))
     if validate_enabled(validate):
-        qsl = host_copy(cu_seqlens_q).astype(np.int64)
-        if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] != total_q:
-            raise ValueError(f"cu_seqlens_q must start at 0, be non-decreasing and end at total_q={total_q}")
+        validate_offsets("cu_seqlens_q", cu_seqlens_q, total_q)
         validate_tables(block_tables, contexts.astype(np.int32), None, num_blocks, block_size, batch)
         check_scale_values(kv_cache_dtype, k_scale=k_scale)
     tokens = int(workspace_tokens) if workspace is None else workspace.shape[0]

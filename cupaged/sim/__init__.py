@@ -7,7 +7,7 @@ A drop-in for the part of CuPy that cupaged uses::
     kernel((blocks,), (threads,), (x, y, np.int32(n)), shared_mem=0)
 
 Data arrays are numpy arrays; ``empty/zeros/asarray`` allocate them in guarded memory (PROT_NONE
-pages around every buffer) so they are passed without a copy. See design-sim.md for the model.
+pages around every buffer) so they are passed without a copy. See README.md (`cupaged.sim`) for the model.
 Environment: ``CUPAGED_SIM_ORDER=natural|reverse|random[:seed]`` (block and thread scheduling
 order), ``CUPAGED_SIM_TIMEOUT`` (CPU seconds per launch, default 300), ``CUPAGED_SIM_ARCH``
 (``sm_80`` or ``sm_90``, the shared-memory limit enforced; default ``sm_90``),
