@@ -77,3 +77,23 @@ def assert_close(got, ref, dtype_or_key, what="output"):
         i = np.unravel_index(np.argmax(np.where(bad, err - bound, -np.inf)), bad.shape)
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} elements out of tolerance "
                              f"(atol={atol}, rtol={rtol}); worst at {i}: got {got[i]}, ref {ref[i]}")
+
+
+def raw_module(backend: Backend, code: str, name_expressions=(), options=("-std=c++17",)):
+    """``code`` compiled for ``backend``: a cupaged.sim.RawModule, or a cupy.RawModule on device 0
+    (with the CUDA headers of CuPy's CUDA major). Both have ``get_function(name)``."""
+    from cupaged import _runtime
+
+    names, options = tuple(name_expressions), tuple(options)
+    if backend.name == "sim":
+        return _runtime._sim_module(code, options, names, None)
+    return _runtime._cuda_module(0, code, options, names, None)
+
+
+def cuda_arch_at_least(backend: Backend, cc: int) -> bool:
+    """True on the sim (it runs every instruction it knows); on cuda, compute capability >= cc."""
+    if backend.name == "sim":
+        return True
+    import cupy
+
+    return int(cupy.cuda.Device(0).compute_capability) >= cc
