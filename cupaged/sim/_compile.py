@@ -24,6 +24,7 @@ import tempfile
 
 from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
 from cupaged._runtime import compile_notice
+from cupaged.sim import _asm
 from cupaged.sim._cache import cache_dir, usable
 from cupaged.sim._errors import SimCompileError
 
@@ -161,7 +162,18 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc):
     flags = [*CXXFLAGS, *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
              *(f"-I{i}" for i in cuda_inc), "-include", "cupaged_sim.h"]
     obj = os.path.join(tmp, "kernel.o")
-    _run([cxx, *flags, "-x", "c++", "-c", src, "-o", obj], "compiling the kernel source for the sim")
+    if _asm.has_asm(code):  # inline PTX: preprocess, rewrite each asm statement, compile the result
+        pre = os.path.join(tmp, "kernel.ii")
+        _run([cxx, *flags, "-x", "c++", "-E", src, "-o", pre], "preprocessing the kernel source for the sim")
+        with open(pre, encoding="utf-8") as f:
+            text = _asm.rewrite(f.read(), src, [INCLUDE_DIR, *cuda_inc])
+        src = os.path.join(tmp, "kernel.sim.ii")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write(text)
+        flags = flags[:-2]  # the shim is already in the preprocessed text
+        _run([cxx, *flags, "-x", "c++-cpp-output", "-c", src, "-o", obj], "compiling the kernel source for the sim")
+    else:
+        _run([cxx, *flags, "-x", "c++", "-c", src, "-o", obj], "compiling the kernel source for the sim")
     aliases, static_smem = _tls_symbols(cxx, obj)
     asm = os.path.join(tmp, "smem.s")
     with open(asm, "w") as f:

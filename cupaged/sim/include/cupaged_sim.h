@@ -305,3 +305,7 @@ int launch(void (*f)(A...), const LaunchConfig* cfg, void** args) {
   return run_launch(cfg);
 }
 }  // namespace cupaged_sim
+
+// ---- inline PTX (the compile step rewrites each asm statement into calls to these)
+#include "cupaged_sim_ptx.h"
+#include "cupaged_sim_mma.h"

@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #include <sys/time.h>
 #include <unistd.h>
+#include <vector>
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -63,13 +64,13 @@ static const int kMaxThreads = 1024;
 enum State { RUNNABLE, WAIT_BAR, WAIT_WARP, DONE };
 enum Coll {
   SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR, VOTE_ALL, VOTE_ANY, BALLOT, SYNCWARP, MATCH_ANY, MATCH_ALL,
-  RED_ADD, RED_MIN, RED_MAX, RED_UMIN, RED_UMAX, RED_AND, RED_OR, RED_XOR
+  RED_ADD, RED_MIN, RED_MAX, RED_UMIN, RED_UMAX, RED_AND, RED_OR, RED_XOR, WARP_OP
 };
 static const char* const kCollName[] = {
   "__shfl_sync", "__shfl_up_sync", "__shfl_down_sync", "__shfl_xor_sync", "__all_sync",
   "__any_sync", "__ballot_sync", "__syncwarp", "__match_any_sync", "__match_all_sync",
   "__reduce_add_sync", "__reduce_min_sync", "__reduce_max_sync", "__reduce_min_sync",
-  "__reduce_max_sync", "__reduce_and_sync", "__reduce_or_sync", "__reduce_xor_sync"};
+  "__reduce_max_sync", "__reduce_and_sync", "__reduce_or_sync", "__reduce_xor_sync", "a warp-wide instruction"};
 static const char* const kBarName[] = {"__syncthreads", "__syncthreads_count", "__syncthreads_and",
                                        "__syncthreads_or"};
 
@@ -93,6 +94,10 @@ struct SimThread {
   int group, line;
   unsigned long long value, result;
   int arg, width, out_pred;
+  // warp-wide instruction (mma, ldmatrix): this lane's operands, read and written by the last lane
+  const unsigned* xin;
+  unsigned* xout;
+  unsigned long long xaddr;
   Fiber fiber;
 };
 
@@ -100,6 +105,18 @@ struct Group {
   bool active;
   int kind, width, line;
   unsigned mask, arrived;
+  const char* name;
+  const void* site;        // WARP_OP: the instruction (each inline-PTX statement has its own)
+  void (*compute)(int base);  // WARP_OP: computes every lane's results from every lane's operands
+};
+
+// A cp.async copy in flight: the source was read at issue (bounds-checked then); the bytes land in
+// shared memory when a wait covers its commit group (until then the destination holds poison).
+struct AsyncCopy {
+  char* dst;
+  int size;
+  unsigned group;
+  unsigned char data[16];
 };
 
 struct Warp {
@@ -123,11 +140,15 @@ struct Engine {
   bool failed;
   sigjmp_buf jmp;
   char* altstack;
+  char* smem_base;                // shared-state address 0: the start of the module's TLS block
+  unsigned long long smem_size;   // static + the launch's dynamic shared memory, in bytes
   ErrorInfo err;
 };
 
 static Engine g;
 static char* g_stacks[kMaxThreads];
+static std::vector<AsyncCopy> g_async[kMaxThreads];  // per thread, oldest first
+static unsigned g_async_committed[kMaxThreads];       // commit groups closed so far
 
 // ---------------------------------------------------------------- errors
 static void set_error(int code, const char* fmt, ...) {
@@ -311,7 +332,10 @@ static unsigned long long lane_value(Warp* w, Group* gr, int from_lane, int lane
   return g.threads[me->warp * 32 + src].value;
 }
 
+static void finish_warp_op(Warp* w, Group* gr);
+
 static void finish_group(Warp* w, Group* gr) {
+  if (gr->kind == WARP_OP) { finish_warp_op(w, gr); return; }
   int base = int(w - g.warps) * 32;
   unsigned long long acc = 0;
   unsigned ballot = 0;
@@ -396,13 +420,13 @@ __attribute__((noinline)) static unsigned long long collective(int kind, unsigne
     if (c.active && c.mask == mask) { gr = &c; break; }
   if (gr && (gr->kind != kind || gr->width != width)) {
     set_error(E_SYNC, "lanes of warp %d with mask 0x%08x meet at different warp collectives: %s (line %d) and %s (line %d)",
-              t->warp, mask, kCollName[gr->kind], gr->line, kCollName[kind], line);
+              t->warp, mask, gr->name, gr->line, kCollName[kind], line);
     abort_fiber();
   }
   if (!gr) {
     for (auto& c : w->groups)
       if (!c.active) { gr = &c; break; }
-    *gr = Group{true, kind, width, line, mask, 0u};
+    *gr = Group{true, kind, width, line, mask, 0u, kCollName[kind], nullptr, nullptr};
   }
   gr->arrived |= 1u << t->lane;
   t->value = value; t->arg = arg; t->line = line; t->group = int(gr - w->groups);
@@ -412,6 +436,51 @@ __attribute__((noinline)) static unsigned long long collective(int kind, unsigne
   else block_wait();
   if (pred_out) *pred_out = t->out_pred;
   return t->result;
+}
+
+// A warp-wide `.sync.aligned` instruction (mma.sync, ldmatrix, stmatrix): every lane of the warp
+// executes the same instruction (the same inline-PTX statement); the last to arrive computes all.
+__attribute__((noinline)) static void warp_op(const char* name, void (*compute)(int), const void* site, int line) {
+  SimThread* t = g.cur;
+  Warp* w = &g.warps[t->warp];
+  Group* gr = nullptr;
+  for (auto& c : w->groups)
+    if (c.active && c.mask == 0xFFFFFFFFu) { gr = &c; break; }
+  if (gr && (gr->kind != WARP_OP || gr->site != site)) {
+    set_error(E_SYNC, "lanes of warp %d meet at different warp collectives: %s (line %d) and %s (line %d)",
+              t->warp, gr->name, gr->line, name, line);
+    abort_fiber();
+  }
+  if (!gr) {
+    for (auto& c : w->groups)
+      if (!c.active) { gr = &c; break; }
+    *gr = Group{true, WARP_OP, 32, line, 0xFFFFFFFFu, 0u, name, site, compute};
+  }
+  gr->arrived |= 1u << t->lane;
+  t->line = line; t->group = int(gr - w->groups);
+  t->state = WAIT_WARP;
+  if (group_complete(w, gr)) finish_group(w, gr);
+  else block_wait();
+}
+
+static void finish_warp_op(Warp* w, Group* gr) {
+  int base = int(w - g.warps) * 32;
+  if (gr->arrived != 0xFFFFFFFFu) {
+    unsigned missing = ~gr->arrived;
+    set_error(E_SYNC, "%s (line %d) is a warp-wide .sync.aligned instruction: all 32 lanes of warp %d must execute it, "
+              "but lanes 0x%08x %s", gr->name, gr->line, int(w - g.warps), missing,
+              (missing & ~w->live) == missing && base + 32 > g.nthreads ? "do not exist or have exited" : "have exited");
+    abort_fiber();
+  }
+  gr->compute(base);
+  int ids[32], n = 0;
+  for (int l = 0; l < 32; ++l) {
+    SimThread* t = &g.threads[base + l];
+    if (t != g.cur) ids[n++] = base + l;
+    else t->state = RUNNABLE;
+  }
+  gr->active = false;
+  release(ids, n);
 }
 
 static void thread_exit() {
@@ -450,7 +519,7 @@ static void report_deadlock() {
       else if (t->state == WAIT_WARP) {
         Group* gr = &g.warps[wi].groups[t->group];
         append_error(" warp %d lanes %d-%d wait at %s (line %d) for lanes 0x%08x;", wi, t->lane, t->lane + j - i - 1,
-                     kCollName[gr->kind], t->line, gr->mask & g.warps[wi].live & ~gr->arrived);
+                     gr->name, t->line, gr->mask & g.warps[wi].live & ~gr->arrived);
       } else if (t->state == DONE)
         append_error(" warp %d lanes %d-%d exited;", wi, t->lane, t->lane + j - i - 1);
       i = j;
@@ -519,6 +588,8 @@ static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fi
   for (int i = 0; i < g.nthreads; ++i) {
     SimThread* t = &g.threads[i];
     t->linear = i; t->warp = i / 32; t->lane = i % 32;
+    g_async[i].clear();
+    g_async_committed[i] = 0;
     t->tid = uint3{unsigned(i % g.block.x), unsigned(i / g.block.x % g.block.y), unsigned(i / (g.block.x * g.block.y))};
     if (!init_fiber(t)) { set_error(E_OTHER, "cannot map fiber stacks"); return E_OTHER; }
     ids[i] = i;
@@ -554,6 +625,8 @@ static int run_launch(const LaunchConfig* cfg) {
   char* dyn = __cupaged_dyn_smem;
   char* tls = dyn - cfg->tls_dyn_offset;
   g.err.dyn_smem = reinterpret_cast<uintptr_t>(dyn);
+  g.smem_base = tls;
+  g.smem_size = cfg->tls_dyn_offset + cfg->shared_mem;
   size_t page = 4096, smem = cfg->shared_mem;
   size_t protect_from = (smem + page - 1) / page * page;
   size_t fill = size_t(dyn - tls) + protect_from;
