@@ -28,15 +28,16 @@ extern "C" __global__ void read_far_above(const float* p, float* out) { out[0] =
 extern "C" __global__ void read_far_below(const float* p, float* out) { out[0] = p[-(1LL << 40)]; }
 
 // General-protection faults the decoder cannot or need not resolve, written in x86 assembly
-// (sim-only code): an FS-relative operand, and an aligned SSE load from a misaligned address.
+// (sim-only code, spelled `__asm`, which the inline-PTX rewrite leaves alone): an FS-relative
+// operand, and an aligned SSE load from a misaligned address.
 extern "C" __global__ void fs_relative(float* out) {
   float v;
-  asm volatile("movss %%fs:(%1), %0" : "=x"(v) : "r"(1ull << 60));
+  __asm volatile("movss %%fs:(%1), %0" : "=x"(v) : "r"(1ull << 60));
   out[0] = v;
 }
 extern "C" __global__ void misaligned_movaps(const float* p, float* out) {
   float v;
-  asm volatile("movaps (%1), %0" : "=x"(v) : "r"(p + 1));
+  __asm volatile("movaps (%1), %0" : "=x"(v) : "r"(p + 1));
   out[0] = v;
 }
 

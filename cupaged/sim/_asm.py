@@ -22,7 +22,9 @@ from cupaged.sim._ptx import Operand, translate
 
 __all__ = ["has_asm", "rewrite"]
 
-_KEYWORD = re.compile(r"\b(?:__asm__|__asm|asm)\b")
+# `asm` and `__asm__` are inline PTX. GCC's third spelling, `__asm`, is left alone: the way for a
+# sim-only test to run host (x86) assembly, e.g. to provoke a fault the sim must report.
+_KEYWORD = re.compile(r"\b(?:__asm__|asm)\b")
 _QUALIFIERS = {"volatile", "__volatile__", "__volatile", "inline", "goto"}
 _MARKER = re.compile(r'^# (\d+) "((?:[^"\\]|\\.)*)"((?: \d+)*)$', re.M)
 _OPERAND = re.compile(r'^\s*(?:\[\s*(\w+)\s*\])?\s*((?:"(?:[^"\\]|\\.)*"\s*)+)\((.*)\)\s*$', re.S)
