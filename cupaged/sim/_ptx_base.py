@@ -1,0 +1,118 @@
+"""Shared pieces of the PTX translation: operand kinds, type helpers, one statement's state.
+
+Registers are handled as raw bits (``ptx::bits`` / ``ptx::set``), so a ``.f32`` instruction may take
+an ``r`` operand, as PTX allows ``.b32`` registers there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from cupaged.sim._errors import SimCompileError
+
+P = "::cupaged_sim::ptx::"
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    index: int
+    name: str | None
+    var: str
+    ctype: str
+    letter: str
+
+
+BITS_SIZE = {"8": 1, "16": 2, "32": 4, "64": 8, "128": 16}
+INT_TYPES = {"u8": "unsigned char", "s8": "signed char", "b8": "unsigned char", "u16": "unsigned short", "s16": "short",
+        "b16": "unsigned short", "u32": "unsigned", "s32": "int", "b32": "unsigned", "u64": "unsigned long long",
+        "s64": "long long", "b64": "unsigned long long", "pred": "bool"}
+REG_CTYPE = {1: "unsigned char", 2: "unsigned short", 4: "unsigned", 8: "unsigned long long"}
+SPECIAL = {"%laneid": f"{P}laneid()", "%warpid": f"{P}warpid()", "%lanemask_eq": f"(1u << {P}laneid())",
+            "%lanemask_lt": f"((1u << {P}laneid()) - 1u)", "%lanemask_le": f"((2u << {P}laneid()) - 1u)",
+            "%lanemask_gt": f"(~((2u << {P}laneid()) - 1u))", "%lanemask_ge": f"(~((1u << {P}laneid()) - 1u))",
+            **{f"%{r}.{a}": f"{v}.{a}" for r, v in (("tid", "threadIdx"), ("ntid", "blockDim"), ("ctaid", "blockIdx"),
+                                                     ("nctaid", "gridDim")) for a in "xyz"}}
+
+def size_of(t: str) -> int:
+    return BITS_SIZE[re.sub(r"^[a-z]+|x2$", "", t)] * (2 if t.endswith("x2") else 1)
+
+
+def as_type(t: str, e: str) -> str:
+    return f"{P}f32({e})" if t == "f32" else f"::cupaged_sim::from_bits<double>({e})" if t == "f64" else f"({INT_TYPES[t]})({e})"
+
+
+def from_type(t: str, e: str) -> str:
+    if t == "f32":
+        return f"{P}of((float)({e}))"
+    return f"::cupaged_sim::to_bits((double)({e}))" if t == "f64" else f"(unsigned long long)({INT_TYPES[t]})({e})"
+
+
+class Statement:
+    """Translation state of one asm statement: its PTX locals and where it came from."""
+
+    def __init__(self, operands, line, where):
+        self.vars = {o.var for o in operands}
+        self.locals: dict[str, str] = {}  # PTX name -> C++ name
+        self.preds: set[str] = set()  # C++ names of .pred locals
+        self.line, self.where = line, where
+        self.opcode = ""
+
+    def error(self, what: str):
+        return SimCompileError(f"{self.where}: {what}")
+
+    def val(self, tok: str) -> str:
+        tok = tok.strip()
+        if tok in self.vars:
+            return f"{P}bits({tok})"
+        if tok in self.locals:
+            return f"{P}bits({self.locals[tok]})"
+        if tok in SPECIAL:
+            return f"(unsigned long long)({SPECIAL[tok]})"
+        if re.fullmatch(r"0[fF][0-9a-fA-F]{8}|0[dD][0-9a-fA-F]{16}", tok):
+            return f"0x{tok[2:]}ull"
+        if re.fullmatch(r"-?(0[xX][0-9a-fA-F]+|0[bB][01]+|\d+)[uU]?", tok):
+            return f"(unsigned long long)(long long)({tok.rstrip('uU')})"
+        raise self.error(f"{self.opcode}: the sim cannot read the operand {tok!r}")
+
+    def lv(self, tok: str) -> str:
+        tok = tok.strip()
+        if tok in self.vars or tok in self.locals.values():
+            return tok
+        if tok in self.locals:
+            return self.locals[tok]
+        raise self.error(f"{self.opcode}: {tok!r} is not a register it can write")
+
+    def set(self, tok: str, e: str) -> str:
+        return f"{P}set({self.lv(tok)}, {e});"
+
+    def addr(self, tok: str) -> str:
+        m = re.fullmatch(r"\[\s*([^\]+-]+?)\s*(?:([+-])\s*(\w+)\s*)?\]", tok.strip())
+        if not m:
+            raise self.error(f"{self.opcode}: expected a memory operand [reg] or [reg+imm], got {tok.strip()!r}")
+        base = self.val(m.group(1))
+        return f"({base} + (unsigned long long)(long long)({m.group(2)}{m.group(3)}))" if m.group(2) else base
+
+    def vec(self, tok: str, n: int | None = None) -> list[str]:
+        tok = tok.strip()
+        if not (tok.startswith("{") and tok.endswith("}")):
+            raise self.error(f"{self.opcode}: expected a vector operand {{...}}, got {tok!r}")
+        items = [x.strip() for x in tok[1:-1].split(",")]
+        if n is not None and len(items) != n:
+            raise self.error(f"{self.opcode}: expected {n} registers in {tok}, got {len(items)}")
+        return items
+
+
+def split_operands(s: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for c in s:
+        depth += c in "{["
+        depth -= c in "}]"
+        if c == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += c
+    return out + [cur] if cur.strip() else out
+
+
