@@ -33,9 +33,10 @@ _CTYPES = {"r": "unsigned", "h": "unsigned short", "l": "unsigned long long", "f
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "0": "\0", "a": "\a", "v": "\v"}
 
 
-def has_asm(code: str) -> bool:
-    """Whether ``code`` (or a macro in it) may hold an asm statement: the rewrite pass is needed."""
-    return _KEYWORD.search(code) is not None
+def has_asm(code: str, options=()) -> bool:
+    """Whether the rewrite pass is needed: ``code`` (or a macro in it) may hold an asm statement, or
+    it includes project headers (``#include "..."`` or a ``-I`` option), which may."""
+    return _KEYWORD.search(code) is not None or '#include "' in code or any(o.startswith("-I") for o in options)
 
 
 class _Lines:

@@ -162,7 +162,7 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc):
     flags = [*CXXFLAGS, *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
              *(f"-I{i}" for i in cuda_inc), "-include", "cupaged_sim.h"]
     obj = os.path.join(tmp, "kernel.o")
-    if _asm.has_asm(code):  # inline PTX: preprocess, rewrite each asm statement, compile the result
+    if _asm.has_asm(code, passed):  # inline PTX: preprocess, rewrite each asm statement, compile the result
         pre = os.path.join(tmp, "kernel.ii")
         _run([cxx, *flags, "-x", "c++", "-E", src, "-o", pre], "preprocessing the kernel source for the sim")
         with open(pre, encoding="utf-8") as f:

@@ -163,16 +163,18 @@ def _simple(st, parts, ops):
             wt = t[0] + str(2 * int(t[1:]))
             a, b = (f"({INT_TYPES[wt]}){as_type(t, st.val(x))}" for x in ops[1:3])
             return st.set(ops[0], from_type(wt, f"{a} * {b}"))
-        v = [as_type(t, st.val(x)) for x in ops[1:]]
+        # integer arithmetic wraps: compute it unsigned (signed overflow is undefined in C++)
+        ct = t if t in ("f32", "f64") or op in ("shr", "min", "max") else "u" + t[1:]
+        v = [as_type(ct, st.val(x)) for x in ops[1:]]
         if op == "not":
-            return st.set(ops[0], from_type(t, f"~{v[0]}"))
+            return st.set(ops[0], from_type(ct, f"~{v[0]}"))
         if op in ("mad", "fma"):
             e = f"{v[0]} * {v[1]} + {v[2]}" if t in INT_TYPES else f"fma({v[0]}, {v[1]}, {v[2]})"
-            return st.set(ops[0], from_type(t, e))
-        e = "a * b" if op == "mul" else _ALU[op]
-        return st.set(ops[0], from_type(t, e.replace("a", f"({v[0]})", 1).replace("b", f"({v[1]})", 1)
-                                    if op != "min" and op != "max" else
-                                    f"[](auto a, auto b) {{ return {e}; }}({v[0]}, {v[1]})"))
+            return st.set(ops[0], from_type(ct, e))
+        if op in ("shl", "shr"):
+            v[1] = f"(unsigned){st.val(ops[2])}"
+        e = _ALU[op].replace("W", str(8 * size_of(t)))
+        return st.set(ops[0], from_type(ct, f"[](auto a, auto b) {{ return {e}; }}({v[0]}, {v[1]})"))
     return None
 
 
