@@ -128,6 +128,7 @@ struct Engine {
   dim3 grid, block;
   uint3 block_idx;
   int nthreads, nwarps, order, exited;
+  bool depth_first;  // random order: warps run ahead alone in this barrier interval
   unsigned long long rng;
   SimThread* cur;
   SimThread threads[kMaxThreads];
@@ -270,12 +271,39 @@ static unsigned long long next_random() {  // splitmix64
   return z ^ (z >> 31);
 }
 
-// Release a set of waiting threads in the launch's order.
-static void release(int* ids, int n) {
-  if (g.order == 1) {
+// Release a set of waiting threads in the launch's order. Natural order: warps advance in lockstep
+// from one warp collective to the next (released lanes go to the back of the queue). Reverse: the
+// threads of a block are started in reverse, and lanes released by a warp collective go to the
+// front, so each warp runs ahead alone until the next block barrier (depth first). Random: at each
+// block barrier one of the two at random, with the warps (depth first) or all threads (lockstep)
+// shuffled. A barrier missing between warps shows as a result that depends on the order.
+static void release(int* ids, int n, bool warp = false) {
+  if (g.order == 2 && !warp) {
+    g.depth_first = next_random() & 1;
+    if (g.depth_first && n == g.nthreads) {  // whole warps in a random order, lanes shuffled inside each
+      int order[kMaxThreads / 32], k = 0;
+      for (int w = 0; w < g.nwarps; ++w) order[w] = w;
+      for (int i = g.nwarps - 1; i > 0; --i) { int j = int(next_random() % (i + 1)); int t = order[i]; order[i] = order[j]; order[j] = t; }
+      for (int w = 0; w < g.nwarps; ++w) {
+        int lo = order[w] * 32, hi = lo + 32 < g.nthreads ? lo + 32 : g.nthreads, first = k;
+        for (int i = lo; i < hi; ++i) ids[k++] = i;
+        for (int i = k - 1; i > first; --i) { int j = first + int(next_random() % (i - first + 1)); int t = ids[i]; ids[i] = ids[j]; ids[j] = t; }
+      }
+    } else {
+      for (int i = n - 1; i > 0; --i) { int j = int(next_random() % (i + 1)); int t = ids[i]; ids[i] = ids[j]; ids[j] = t; }
+    }
+  } else if (g.order == 1) {
     for (int i = 0, j = n - 1; i < j; ++i, --j) { int t = ids[i]; ids[i] = ids[j]; ids[j] = t; }
   } else if (g.order == 2) {
     for (int i = n - 1; i > 0; --i) { int j = int(next_random() % (i + 1)); int t = ids[i]; ids[i] = ids[j]; ids[j] = t; }
+  }
+  if (warp && (g.order == 1 || (g.order == 2 && g.depth_first))) {
+    for (int i = n - 1; i >= 0; --i) {  // to the front, ids[0] first
+      g.threads[ids[i]].state = RUNNABLE;
+      g.qhead = (g.qhead + kMaxThreads * 2 - 1) % (kMaxThreads * 2);
+      g.queue[g.qhead] = ids[i];
+    }
+    return;
   }
   for (int i = 0; i < n; ++i) make_runnable(&g.threads[ids[i]]);
 }
@@ -397,7 +425,7 @@ static void finish_group(Warp* w, Group* gr) {
     else t->state = RUNNABLE;
   }
   gr->active = false;
-  release(ids, n);
+  release(ids, n, true);
 }
 
 static bool group_complete(Warp* w, Group* gr) { return (gr->mask & w->live & ~gr->arrived) == 0; }
@@ -480,7 +508,7 @@ static void finish_warp_op(Warp* w, Group* gr) {
     else t->state = RUNNABLE;
   }
   gr->active = false;
-  release(ids, n);
+  release(ids, n, true);
 }
 
 static void thread_exit() {
