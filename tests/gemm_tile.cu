@@ -44,7 +44,9 @@
 // -DGEMM_SKIP_WAIT removes the waits of step 1 (a bug injected on purpose: tiles read before their
 // copies land). The sim keeps a copy's destination 0xFF (fp16 NaN) until a wait covers its group,
 // so that variant must produce NaN there; on a GPU it is a race. A final wait_group 0 stays, so no
-// copy is still in flight when the CTA exits.
+// copy is still in flight when the CTA exits. -DGEMM_SKIP_WAR_BARRIER removes the barrier of
+// step 4: a warp that runs ahead overwrites a stage others still read; the sim's reverse and random
+// orders let warps run ahead between barriers, so that variant fails there.
 //
 // Test: pytest tests/test_sim_gemm.py (sim in three scheduling orders, NVRTC sm_80 / sm_90 with no
 // spills, the SKIP_WAIT variant; cuda when a GPU is present).
@@ -131,7 +133,9 @@ gemm_tile(const __half* __restrict__ A,  // [M, K]
       for (int mi = 0; mi < 2; ++mi)
         for (int ni = 0; ni < 4; ++ni) mma16816(acc[mi][ni], a[mi], b[ni]);
     }
+#ifndef GEMM_SKIP_WAR_BARRIER
     __syncthreads();  // stage s is free: the next iteration's load_tile overwrites it
+#endif
   }
 #ifdef GEMM_SKIP_WAIT
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // no copy in flight at exit

@@ -3,7 +3,9 @@
 * NVRTC compiles it for sm_80 and sm_90 without register spills (no GPU needed);
 * C = A @ B (fp16 in, fp32 out) matches numpy on the sim in every scheduling order, and on a GPU;
 * the sim catches the kernel built with -DGEMM_SKIP_WAIT, which reads each shared-memory tile
-  before its cp.async copy has landed (the sim keeps a pending copy's destination 0xFF, fp16 NaN).
+  before its cp.async copy has landed (the sim keeps a pending copy's destination 0xFF, fp16 NaN),
+  and the one built with -DGEMM_SKIP_WAR_BARRIER, whose warps overwrite a stage others still read
+  (the sim's reverse order runs each warp ahead alone between barriers).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 
 from cupaged.resources import ARCHS, compile_resources
 
-from tests.conftest import assert_close, raw_module
+from tests.conftest import Backend, assert_close, raw_module
 
 SRC_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_tile.cu")
 OPTIONS = ("-std=c++17",)
@@ -87,15 +89,27 @@ def test_gemm_matches_numpy(backend, monkeypatch, order, M, N, K):
     assert_close(got, ref, (fp32_accumulation_atol(a, b), 0.0), what=f"C[{M}, {N}] (K = {K})")
 
 
-def test_sim_catches_reads_before_cp_async_lands(backend):
+def test_sim_catches_reads_before_cp_async_lands():
     """Without the waits every ldmatrix reads a tile whose copies are still pending: on the sim
-    that is all 0xFF (fp16 NaN) bytes, so every output is NaN. On a GPU it is a race with no
-    defined result, so there is nothing to assert."""
-    if backend.name != "sim":
-        pytest.skip("a race on a GPU; only the sim makes it deterministic")
+    that is all 0xFF (fp16 NaN) bytes, so every output is NaN. (On a GPU it is a race with no
+    defined result: a sim-only test.)"""
+    backend = Backend("sim")
     a, b = random_inputs(64, 128, 96, seed=1)
     got = run_gemm(backend, a, b, SKIP_WAIT)
     assert np.isnan(got).all(), f"{int(np.isnan(got).sum())} of {got.size} outputs NaN"
     # and the same inputs with the waits in place are right, so the NaN is the missing wait's doing
     ref = a.astype(np.float64) @ b.astype(np.float64)
     assert_close(run_gemm(backend, a, b), ref, (fp32_accumulation_atol(a, b), 0.0))
+
+
+@pytest.mark.parametrize("order", ["reverse", "random:7"])
+def test_sim_catches_a_stage_overwritten_while_read(monkeypatch, order):
+    """Without the barrier after the mma, a warp that runs ahead issues the copies of tile kt+2
+    into the stage other warps are still reading (write-after-read). In lockstep (natural order)
+    that goes unseen; the sim's reverse and random orders let warps run ahead between barriers."""
+    monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
+    a, b = random_inputs(64, 128, 96, seed=2)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    got = run_gemm(Backend("sim"), a, b, (*OPTIONS, "-DGEMM_SKIP_WAR_BARRIER"))
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        assert_close(got, ref, (fp32_accumulation_atol(a, b), 0.0))
