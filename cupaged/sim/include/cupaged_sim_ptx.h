@@ -165,6 +165,7 @@ inline float ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::cop
 // ---- cp.async: the copy lands in shared memory when a wait covers its commit group
 inline void cp_async(unsigned long long dst, unsigned long long src, unsigned cp_size, long long src_size, int line,
                      const char* op) {
+  if (cp_size != 4 && cp_size != 8 && cp_size != 16) fail(E_MEMORY, line, "%s: cp-size must be 4, 8 or 16, got %u", op, cp_size);
   if (src_size < 0 || src_size > cp_size)
     fail(E_MEMORY, line, "%s: src-size %lld is outside 0..%u (the copy size)", op, src_size, cp_size);
   char* d = shared_ptr(dst, cp_size, cp_size, line, op);
