@@ -4,7 +4,9 @@ One translation unit: the unmodified source, force-included behind ``cupaged_sim
 generated ``extern "C"`` wrappers that take ``&NAME_EXPRESSION`` (so templated kernels work like
 CuPy's name expressions). Every ``extern __shared__`` array is an undefined TLS symbol after
 compiling; a generated assembly file defines each as an alias of one page-aligned TLS buffer, so
-they share one base address as on the GPU.
+they share one base address as on the GPU. A source that may hold inline PTX (an ``asm`` keyword,
+a quoted ``#include`` or a ``-I`` option) is preprocessed first and its asm statements rewritten
+into emulations (``_asm.py``); the result is compiled as preprocessed C++.
 
 Objects live in the ``sim`` directory of the per-user cache (see ``_cache.py``), keyed by the
 shim, the source, the options, the names and the compiler's identity; an object is cached only
