@@ -23,10 +23,11 @@ def gpu_available() -> bool:
 
 
 class Backend:
-    """Puts test data where a backend's kernels read it: guarded numpy (sim) or cupy (cuda)."""
+    """Puts test data where a backend's kernels read it: guarded numpy (sim) or cupy (cuda).
+    ``order``: the sim's scheduling order the test runs under (None: the environment's)."""
 
-    def __init__(self, name: str):
-        self.name = name
+    def __init__(self, name: str, order: str | None = None):
+        self.name, self.order = name, order
 
     @property
     def xp(self):
@@ -47,15 +48,22 @@ class Backend:
         return a if isinstance(a, np.ndarray) else a.get()
 
     def __repr__(self):
-        return self.name
+        return self.name if self.order in (None, "natural") else f"{self.name}-{self.order.partition(':')[0]}"
 
 
-BACKENDS = ["sim", pytest.param("cuda", marks=pytest.mark.skipif(not gpu_available(), reason="no GPU"))]
+# Every kernel test runs on the sim in three scheduling orders (natural: warps in lockstep; reverse:
+# each warp runs ahead between barriers; random: both, seeded), so a missing barrier shows up.
+SIM_ORDERS = ("natural", "reverse", "random:2024")
+BACKENDS = [*(pytest.param(("sim", o), id=repr(Backend("sim", o))) for o in SIM_ORDERS),
+            pytest.param(("cuda", None), id="cuda", marks=pytest.mark.skipif(not gpu_available(), reason="no GPU"))]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request) -> Backend:
-    return Backend(request.param)
+def backend(request, monkeypatch) -> Backend:
+    name, order = request.param
+    if order is not None:
+        monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
+    return Backend(name, order)
 
 
 def assert_close(got, ref, dtype_or_key, what="output"):
