@@ -326,3 +326,32 @@ def test_bad_order_spec(fn, monkeypatch):
     monkeypatch.setenv("CUPAGED_SIM_ORDER", "backwards")
     with pytest.raises(ValueError, match="CUPAGED_SIM_ORDER"):
         fn("ok")((1,), (32,), (np.zeros(32, np.float32), sim.zeros(32), np.int32(32)))
+
+
+MISSING_BARRIER = r"""
+// Thread 0 publishes a value the others read, with the barrier after the write forgotten (the
+// pattern of paged_attention's key span). Warps: thread 0 and its readers sit in different warps.
+extern "C" __global__ void publish(const int* x, int* y) {
+  __shared__ int span;
+  if (threadIdx.x == 0) span = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) span = x[0];
+  y[threadIdx.x] = span + 1;  // a __syncthreads() belongs before this read
+}
+"""
+
+
+def test_the_default_orders_catch_a_missing_barrier(monkeypatch):
+    """Natural order runs thread 0 first and hides the bug; reverse order shows it, which is why
+    every backend-parametrized kernel test runs in all three (tests/conftest.py: SIM_ORDERS)."""
+    from tests.conftest import SIM_ORDERS
+
+    kernel = sim.RawModule(code=MISSING_BARRIER).get_function("publish")
+    results = {}
+    for order in SIM_ORDERS:
+        monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
+        y = sim.zeros(64, np.int32)
+        kernel((1,), (64,), (sim.asarray(np.array([41], np.int32)), y))
+        results[order] = y.copy()
+    assert (results["natural"] == 42).all()
+    assert (results["reverse"] != 42).any()
