@@ -35,6 +35,7 @@ DYN_SMEM_CAPACITY = 233472  # 228 KiB: above sm_90's 227 KiB opt-in maximum, a w
 CXXFLAGS = (
     "-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-extern-tls-init",
     "-ftrivial-auto-var-init=pattern", "-fstack-clash-protection", "-fvisibility=hidden", "-w",
+    "-fsanitize=alignment",  # every typed access checked; the handler is the engine's (no UBSan runtime)
 )
 MIN_GCC = 12
 _PASS_OPTION = re.compile(r"^(-D|-U|-I|-std=)")

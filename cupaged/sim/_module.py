@@ -52,7 +52,8 @@ class _ErrorInfo(ctypes.Structure):
     _fields_ = [("code", ctypes.c_int), ("has_thread", ctypes.c_int), ("thread", ctypes.c_uint * 3),
                 ("block", ctypes.c_uint * 3), ("fault_addr", ctypes.c_ulonglong), ("fault_write", ctypes.c_int),
                 ("signo", ctypes.c_int), ("dyn_smem", ctypes.c_ulonglong), ("fault_base", ctypes.c_ulonglong),
-                ("fault_index", ctypes.c_ulonglong), ("fault_decoded", ctypes.c_int), ("msg", ctypes.c_char * 8192)]
+                ("fault_index", ctypes.c_ulonglong), ("fault_decoded", ctypes.c_int),
+                ("regs", ctypes.c_ulonglong * 16), ("msg", ctypes.c_char * 8192)]
 
 
 _ERRORS = {1: SimMemoryError, 2: SimSyncError, 3: SimTrapError, 4: SimTimeoutError}
@@ -208,6 +209,6 @@ class RawKernel:
         if err.has_thread:
             where = f" in thread ({err.thread[0]},{err.thread[1]},{err.thread[2]})"
         where += f" of block ({err.block[0]},{err.block[1]},{err.block[2]})"
-        if rc == 1 and err.signo:
+        if rc == 1 and (err.signo or err.fault_decoded == 3):
             msg = fault_message(err, staged, shared_mem)
         return _ERRORS.get(rc, SimError)(f"{self.name}: {msg}{where}")

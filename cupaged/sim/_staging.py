@@ -30,13 +30,20 @@ def fault_message(err, staged: "Staging", shared_mem: int) -> str:
     address is in no argument."""
     kind = "write" if err.fault_write else "access"
     addr, dyn = err.fault_addr, err.dyn_smem
+    if err.fault_decoded == 3:  # found by instrumentation: the engine's message, plus whose memory it is
+        found = staged.locate(addr)
+        where = f"address {addr:#x}"
+        if found is not None:
+            off = (addr - staged.ptr[found[0]] + (1 << 63)) % (1 << 64) - (1 << 63)
+            where = f"{staged.names[found[0]]} at byte offset {off} ({where})"
+        return f"{err.msg.decode(errors='replace')}: {where}"
     if err.fault_decoded == 2:
         return ("invalid memory access, address unknown: general-protection fault (a non-canonical address, "
                 "e.g. from a huge index, in an instruction the sim cannot decode)")
     if dyn <= addr < dyn + DYN_SMEM_CAPACITY:
         return (f"dynamic shared memory {kind} at byte offset {addr - dyn}, past the launch's "
                 f"shared_mem={shared_mem} bytes")
-    found = staged.locate(addr, (err.fault_base, err.fault_index))
+    found = staged.locate(addr, (err.fault_base, err.fault_index), tuple(err.regs))
     if found is not None:
         i, inside = found
         name, off = staged.names[i], (addr - staged.ptr[i] + (1 << 63)) % (1 << 64) - (1 << 63)  # as the kernel's int64
@@ -90,16 +97,29 @@ class Staging:
             self.ptr[i] = a.__array_interface__["data"][0]
             self.buffers[i] = buf
 
-    def locate(self, addr, registers=()):
+    def _pointed(self, r):
+        for i, buf in self.buffers.items():
+            if r and buf.base_addr <= r < buf.end_addr:
+                return i
+        return None
+
+    def locate(self, addr, registers=(), all_registers=()):
         """(argument index, True) for the argument whose memory or guard zones hold ``addr``, else
-        (index, False) for one a register of the faulting operand points into, else None."""
+        (index, False) for one a register of the faulting operand points into, else for one that
+        some register points into such that ``addr`` = that register + scale × another register
+        (the operand's base and index, when the compiler had folded them into one address, as the
+        alignment checks make it do), else None."""
         for i, buf in self.buffers.items():
             if buf.base_addr <= addr < buf.end_addr:
                 return i, True
         for r in registers:
-            for i, buf in self.buffers.items():
-                if r and buf.base_addr <= r < buf.end_addr:
-                    return i, False
+            i = self._pointed(r)
+            if i is not None:
+                return i, False
+        for base in all_registers:
+            i = self._pointed(base)
+            if i is not None and any((base + s * x) % (1 << 64) == addr for x in all_registers for s in (1, 2, 4, 8, 16)):
+                return i, False
         return None
 
     def check_slack(self):

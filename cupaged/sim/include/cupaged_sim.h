@@ -26,6 +26,10 @@
 #define __launch_bounds__(...)
 #undef __forceinline__
 #define __forceinline__ inline __attribute__((always_inline))
+// A keyword of nvcc and NVRTC, not a macro of NVIDIA's headers. As a macro it breaks a libstdc++
+// header included after it that spells `__attribute__((__noinline__))` (GCC 12: <memory>, which a
+// kernel cannot include under NVRTC; should the sim ever need it, include it above).
+#define __noinline__ __attribute__((noinline))
 #ifndef __grid_constant__
 #define __grid_constant__
 #endif
@@ -162,18 +166,42 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   for (int i = 0; i < 4; ++i) r |= unsigned((v >> (((s >> (4 * i)) & 7u) * 8)) & 0xFFu) << (8 * i);
   return r;
 }
+// min / max: exactly the overloads of CUDA's crt/math_functions.h{,pp}, no more, so overload
+// resolution (and ambiguity, e.g. min(long long, int)) is the same as under NVRTC. A signed/unsigned
+// mix converts both to the unsigned type, as C++'s usual arithmetic conversions would:
+// min(-1, 1u) is 1u, and max(-1, 1u) is 0xFFFFFFFF.
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
-inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
-inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
-inline long long min(long long a, long long b) { return a < b ? a : b; }
-inline long long max(long long a, long long b) { return a > b ? a : b; }
-inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
-inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+inline unsigned umin(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned umax(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long llmin(long long a, long long b) { return a < b ? a : b; }
+inline long long llmax(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long ullmin(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long ullmax(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+namespace cupaged_sim {
+template <class R> inline R min_in(R a, R b) { return a < b ? a : b; }  // compared in the result type
+template <class R> inline R max_in(R a, R b) { return a > b ? a : b; }
+}  // namespace cupaged_sim
+#define CUPAGED_SIM_MINMAX(R, A, B) \
+  inline R min(A a, B b) { return ::cupaged_sim::min_in<R>(a, b); } \
+  inline R max(A a, B b) { return ::cupaged_sim::max_in<R>(a, b); }
+CUPAGED_SIM_MINMAX(unsigned, unsigned, unsigned) CUPAGED_SIM_MINMAX(unsigned, int, unsigned)
+CUPAGED_SIM_MINMAX(unsigned, unsigned, int)
+CUPAGED_SIM_MINMAX(long, long, long) CUPAGED_SIM_MINMAX(unsigned long, unsigned long, unsigned long)
+CUPAGED_SIM_MINMAX(unsigned long, long, unsigned long) CUPAGED_SIM_MINMAX(unsigned long, unsigned long, long)
+CUPAGED_SIM_MINMAX(long long, long long, long long)
+CUPAGED_SIM_MINMAX(unsigned long long, unsigned long long, unsigned long long)
+CUPAGED_SIM_MINMAX(unsigned long long, long long, unsigned long long)
+CUPAGED_SIM_MINMAX(unsigned long long, unsigned long long, long long)
+#undef CUPAGED_SIM_MINMAX
 inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
+inline double min(float a, double b) { return fmin(double(a), b); }
+inline double max(float a, double b) { return fmax(double(a), b); }
+inline double min(double a, float b) { return fmin(a, double(b)); }
+inline double max(double a, float b) { return fmax(a, double(b)); }
 using std::isfinite;
 using std::isinf;
 using std::isnan;
@@ -210,6 +238,26 @@ inline __half __hfma(__half a, __half b, __half c) { return __float2half_rn(fmaf
 inline __nv_bfloat16 __hfma(__nv_bfloat16 a, __nv_bfloat16 b, __nv_bfloat16 c) {
   return __float2bfloat16_rn(fmaf(__bfloat162float(a), __bfloat162float(b), __bfloat162float(c)));
 }
+
+// Half and bfloat16 math that cuda_fp16.h / cuda_bf16.h declare for the device only: computed in
+// float and rounded once to the type. The GPU's are approximations (ex2.approx.f16, tanh.approx
+// ...) that may differ by an ulp or more: compare GPU and sim results with tolerances. (trunc,
+// ceil, floor and rint are exact either way.)
+#define CUPAGED_SIM_HMATH(name, expr) \
+  inline __half h##name(__half a) { float x = __half2float(a); return __float2half_rn(expr); } \
+  inline __half2 h2##name(__half2 a) { return __halves2half2(h##name(__low2half(a)), h##name(__high2half(a))); } \
+  inline __nv_bfloat16 h##name(__nv_bfloat16 a) { float x = __bfloat162float(a); return __float2bfloat16_rn(expr); } \
+  inline __nv_bfloat162 h2##name(__nv_bfloat162 a) { \
+    return __halves2bfloat162(h##name(__low2bfloat16(a)), h##name(__high2bfloat16(a))); \
+  }
+CUPAGED_SIM_HMATH(exp, expf(x)) CUPAGED_SIM_HMATH(exp2, exp2f(x)) CUPAGED_SIM_HMATH(exp10, exp10f(x))
+CUPAGED_SIM_HMATH(log, logf(x)) CUPAGED_SIM_HMATH(log2, log2f(x)) CUPAGED_SIM_HMATH(log10, log10f(x))
+CUPAGED_SIM_HMATH(sqrt, sqrtf(x)) CUPAGED_SIM_HMATH(rsqrt, 1.0f / sqrtf(x)) CUPAGED_SIM_HMATH(rcp, 1.0f / x)
+CUPAGED_SIM_HMATH(sin, sinf(x)) CUPAGED_SIM_HMATH(cos, cosf(x))
+CUPAGED_SIM_HMATH(tanh, tanhf(x)) CUPAGED_SIM_HMATH(tanh_approx, tanhf(x))
+CUPAGED_SIM_HMATH(trunc, truncf(x)) CUPAGED_SIM_HMATH(ceil, ceilf(x)) CUPAGED_SIM_HMATH(floor, floorf(x))
+CUPAGED_SIM_HMATH(rint, nearbyintf(x))
+#undef CUPAGED_SIM_HMATH
 
 // ---- memory access hints
 template <class T> inline T __ldg(const T* p) { return *p; }
@@ -309,3 +357,26 @@ int launch(void (*f)(A...), const LaunchConfig* cfg, void** args) {
 // ---- inline PTX (the compile step rewrites each asm statement into calls to these)
 #include "cupaged_sim_ptx.h"
 #include "cupaged_sim_mma.h"
+
+// ---- alignas after __shared__
+// `__shared__ alignas(16) float x[N];` is valid CUDA (__shared__ is a GNU attribute there, so the
+// alignas still leads the declaration), but with `__shared__` as `thread_local` g++ rejects a
+// standard attribute in the middle of the decl-specifiers (-fpermissive drops the alignment), and
+// no spelling of `__shared__` alone can move thread_local behind it. So the keyword itself becomes
+// GNU `aligned`, which g++ accepts anywhere and which means the same on a declaration or a class
+// head; this holds for every alignas after this header. Its argument, a type or a constant, goes
+// through a template argument, which takes either; a top-level `>` in the constant then needs
+// parentheses (`alignas((sizeof(T) > 4) ? 16 : 8)`), which NVRTC does not ask for.
+namespace cupaged_sim {
+template <class T, class... Ts> constexpr size_t alignas_value() {
+  size_t a = alignof(T);
+  ((a = alignof(Ts) > a ? alignof(Ts) : a), ...);
+  return a;
+}
+template <size_t N, size_t... Ns> constexpr size_t alignas_value() {
+  size_t a = N;
+  ((a = Ns > a ? Ns : a), ...);
+  return a ? a : 1;  // alignas(0) is ignored
+}
+}  // namespace cupaged_sim
+#define alignas(...) __attribute__((aligned(::cupaged_sim::alignas_value<__VA_ARGS__>())))

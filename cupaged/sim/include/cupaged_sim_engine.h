@@ -53,7 +53,10 @@ struct ErrorInfo {  // mirrored by ctypes in cupaged/sim/_module.py
   unsigned long long dyn_smem;
   unsigned long long fault_base;   // base and index register of the faulting memory operand (0: none
   unsigned long long fault_index;  // or not decoded): the argument a wild access started from
-  int fault_decoded;  // 0: fault_addr is si_addr; 1: decoded (a general-protection fault); 2: GP, unknown
+  int fault_decoded;  // 0: fault_addr is si_addr; 1: decoded (a general-protection fault); 2: GP, unknown;
+                      // 3: found by instrumentation (msg says what; fault_addr is the access's address)
+  unsigned long long regs[16];  // general registers at a fault: to rebuild base + scale * index when
+                                // instrumentation left only the computed address in the operand
   char msg[8192];
 };
 
@@ -556,6 +559,26 @@ static void report_deadlock() {
 }
 
 // ---------------------------------------------------------------- shared memory
+// ---------------------------------------------------------------- instrumentation
+// The module is compiled with -fsanitize=alignment: g++ checks the alignment of every typed access
+// and calls this UBSan entry point on a violation (no UBSan runtime is linked: the sim is it). x86
+// tolerates misaligned loads the GPU faults on (a float4 load from a 4-byte-aligned address).
+struct UbsanLocation { const char* file; unsigned line, column; };
+struct UbsanTypeMismatch { UbsanLocation loc; const void* type; unsigned char log_alignment, kind; };
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1(UbsanTypeMismatch* d, uintptr_t p) {
+  unsigned long long align = 1ull << d->log_alignment;
+  if (!g.cur || !p || p % align == 0) return;  // host code outside a launch, or a null check we did not ask for
+  set_error(E_MEMORY, "misaligned %s of a %llu-byte-aligned type (line %u)", d->kind == 1 ? "store" : "access", align,
+            d->loc.line);
+  g.err.fault_addr = p;
+  g.err.fault_write = d->kind == 1;
+  g.err.fault_decoded = 3;
+  abort_fiber();
+}
+extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1_abort(UbsanTypeMismatch* d, uintptr_t p) {
+  __ubsan_handle_type_mismatch_v1(d, p);
+}
+
 // ---------------------------------------------------------------- signals
 static const int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGVTALRM};
 
@@ -567,8 +590,11 @@ static void record_fault(siginfo_t* si, void* uctx) {
 #if defined(__x86_64__)
   const greg_t* r = static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs;
   g.err.fault_write = (r[REG_ERR] & 2) != 0;
+  for (int i = 0; i < 16; ++i) g.err.regs[i] = (unsigned long long)r[i];  // REG_R8 .. REG_RSP
   MemOperand op;
-  bool gp = si->si_signo == SIGSEGV && si->si_code == SI_KERNEL;
+  // a general-protection fault (non-canonical address): SIGSEGV or, depending on the faulting
+  // instruction's form, SIGBUS, with si_code SI_KERNEL either way
+  bool gp = (si->si_signo == SIGSEGV || si->si_signo == SIGBUS) && si->si_code == SI_KERNEL;
   if (!gp && g.err.fault_addr == (unsigned long long)r[REG_RIP]) return;  // a jump to a bad address: no code to read
   if (decode_mem_operand(reinterpret_cast<const unsigned char*>(r[REG_RIP]), r, &op)) {
     g.err.fault_base = op.base;
