@@ -27,9 +27,15 @@ import numpy as np
 import pytest
 
 from cupaged import sim
+from cupaged.sim._memory import poison_byte
 from tests.conftest import cuda_arch_at_least, raw_module
 
-U32, POISON = np.uint32, np.uint32(0xFFFFFFFF)
+U32 = np.uint32
+
+
+def poison() -> np.uint32:
+    """What an unlanded cp.async destination reads as: CUPAGED_SIM_POISON's byte in every byte."""
+    return U32(poison_byte() * 0x01010101)
 PRMT_MODES = {"f4e": (0x3210, 0x4321, 0x5432, 0x6543), "b4e": (0x5670, 0x6701, 0x7012, 0x0123),
               "rc8": (0x0000, 0x1111, 0x2222, 0x3333), "ecl": (0x3210, 0x3211, 0x3222, 0x3333),
               "ecr": (0x0000, 0x1110, 0x2210, 0x3210), "rc16": (0x1010, 0x3232, 0x1010, 0x3232)}
@@ -442,8 +448,8 @@ def test_cp_async_groups_land_when_waited(backend):
     check(out[1, :2], want[:2], "wait_group 1: groups 0 and 1 landed")
     check(out[2], want, "wait_all: every group landed")
     if backend.name == "sim":
-        check(out[0], POISON, "sim: before any wait every destination reads 0xFF")
-        check(out[1, 2], POISON, "sim: wait_group 1 leaves the newest group in flight (0xFF)")
+        check(out[0], poison(), "sim: before any wait every destination reads 0xFF")
+        check(out[1, 2], poison(), "sim: wait_group 1 leaves the newest group in flight (0xFF)")
 
 
 def test_cp_async_groups_are_per_thread(backend):
@@ -453,7 +459,7 @@ def test_cp_async_groups_are_per_thread(backend):
     check(out[0, 0::2], partner[0::2], "odd lanes' copies, waited by them, seen by even lanes after __syncthreads")
     check(out[1], partner, "every copy once every lane waited")
     if backend.name == "sim":
-        check(out[0, 1::2], POISON, "sim: one lane's wait does not land another lane's copies")
+        check(out[0, 1::2], poison(), "sim: one lane's wait does not land another lane's copies")
 
 
 @pytest.mark.parametrize("mode", range(7))
@@ -483,8 +489,8 @@ def test_pipeline_primitives_wait_prior(backend):
     check(out[3], np.roll(s[0], -4), "the neighbour's copy after the wait and __syncthreads")
     check(out[5], s[2], "stage 0 refilled and waited")
     if backend.name == "sim":
-        check(out[1], POISON, "sim: stage 1 still in flight after __pipeline_wait_prior(1)")
-        check(out[4], POISON, "sim: a refilled stage reads 0xFF, not its old tile, until waited")
+        check(out[1], poison(), "sim: stage 1 still in flight after __pipeline_wait_prior(1)")
+        check(out[4], poison(), "sim: a refilled stage reads 0xFF, not its old tile, until waited")
 
 
 def test_cp_async_misuse_sim():

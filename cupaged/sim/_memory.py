@@ -6,12 +6,12 @@ Layout of one allocation (page = 4 KiB)::
                                ^ 16-byte aligned            ^ page aligned
 
 The data ends (up to 15 bytes of slack) right at the trailing guard zone, so a read or write past
-the end faults at once; pad and slack are filled with 0xFF (NaN for every float type) and checked
+the end faults at once; pad and slack are filled with poison (see ``poison_byte``) and checked
 after each launch, which catches the small overruns that stay inside the page. Each guard zone is
 GUARD bytes of PROT_NONE address space (nothing is touched, so it costs no memory): an access up to
 that far before or after the data faults and is attributed to this buffer, instead of landing in
 some other mapping. A read inside the pad (just before the start) or the slack cannot fault; it
-yields 0xFF bytes.
+yields poison bytes.
 
 ``empty/zeros/asarray`` return numpy arrays that live in such memory from birth and are passed to
 kernels without a copy; plain numpy arrays are copied into a temporary one per launch and back.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 
 import numpy as np
@@ -29,7 +30,18 @@ __all__ = ["GuardedBuffer", "empty", "zeros", "empty_like", "zeros_like", "asarr
 
 PAGE = mmap.PAGESIZE
 GUARD = 1 << 20  # bytes of PROT_NONE address space on each side of the data
-FILL = 0xFF
+POISON = {"nan": 0xFF, "large": 0x7B}  # 0x7B..: f32 1.3e36, f16 61280, bf16 1.3e36, int32 2.07e9, e4m3 352
+
+
+def poison_byte() -> int:
+    """The byte the sim fills what a kernel must not read with (``CUPAGED_SIM_POISON``): 0xFF (NaN
+    in every float format, -1 as an integer) by default; 0x7B ("large": a big positive value in
+    every format) catches what NaN cannot, e.g. a max reduction missing its initializer (fmaxf
+    ignores NaN) or a -1 read as padding."""
+    name = os.environ.get("CUPAGED_SIM_POISON", "nan")
+    if name not in POISON:
+        raise ValueError(f"CUPAGED_SIM_POISON must be nan or large, got {name!r}")
+    return POISON[name]
 _MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0  # the guard zones need no swap reserve
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -53,7 +65,8 @@ class GuardedBuffer(mmap.mmap):
         self.lo = self.base_addr + GUARD  # first byte after the leading guard zone
         self.hi = self.base_addr + GUARD + inner  # first byte of the trailing guard zone
         self.end_addr = self.hi + GUARD  # end of the mapping
-        ctypes.memset(self.lo, FILL, inner)
+        self.fill = poison_byte()
+        ctypes.memset(self.lo, self.fill, inner)
         for start in (self.base_addr, self.hi):
             if _libc.mprotect(start, GUARD, 0) != 0:
                 raise OSError(ctypes.get_errno(), "mprotect failed for a guard zone")
@@ -68,14 +81,14 @@ class GuardedBuffer(mmap.mmap):
             if end <= start:
                 continue
             view = np.frombuffer((ctypes.c_ubyte * (end - start)).from_address(start), np.uint8)
-            bad = np.flatnonzero(view != FILL)
+            bad = np.flatnonzero(view != self.fill)
             if bad.size:
                 return start + int(bad[0]) - self.data_addr, int(bad.size)
         return None
 
     def repair(self) -> None:
-        ctypes.memset(self.lo, FILL, self.data_addr - self.lo)
-        ctypes.memset(self.data_addr + self.nbytes, FILL, self.hi - self.data_addr - self.nbytes)
+        ctypes.memset(self.lo, self.fill, self.data_addr - self.lo)
+        ctypes.memset(self.data_addr + self.nbytes, self.fill, self.hi - self.data_addr - self.nbytes)
 
 
 def guarded_buffer(a: np.ndarray) -> GuardedBuffer | None:
@@ -92,7 +105,7 @@ def guarded_buffer(a: np.ndarray) -> GuardedBuffer | None:
 
 
 def empty(shape, dtype=np.float32, order="C") -> np.ndarray:
-    """Like numpy.empty, in guarded memory. Contents are 0xFF bytes (NaN for floats)."""
+    """Like numpy.empty, in guarded memory. Contents are poison bytes (0xFF: NaN for floats)."""
     if order not in ("C", "F"):
         raise ValueError(f"order must be 'C' or 'F', got {order!r}")
     dtype = np.dtype(dtype)

@@ -4,7 +4,7 @@
 // order). Inside a block every CUDA thread is a fiber with its own mmap'd stack (guard page below).
 // Fibers switch cooperatively only at barriers, warp collectives and exit, so everything between
 // two of those points is atomic, as plain atomics need. `__shared__` is `thread_local`: the whole
-// TLS segment of the module is the block's shared memory (refilled with 0xFF before each block),
+// TLS segment of the module is the block's shared memory (refilled with poison before each block),
 // so the engine itself keeps no TLS. Dynamic shared memory is one page-aligned TLS buffer that
 // every `extern __shared__` symbol aliases (generated assembly); pages past the launch's size are
 // PROT_NONE during the launch.
@@ -40,6 +40,7 @@ struct LaunchConfig {  // mirrored by ctypes in cupaged/sim/_module.py
   unsigned long long seed;
   double timeout_s;
   unsigned long long tls_dyn_offset;  // offset of the dynamic buffer in the module's TLS segment
+  int poison;  // the byte unwritten shared memory and pending cp.async destinations hold
 };
 
 struct ErrorInfo {  // mirrored by ctypes in cupaged/sim/_module.py
@@ -130,7 +131,7 @@ struct Warp {
 struct Engine {
   dim3 grid, block;
   uint3 block_idx;
-  int nthreads, nwarps, order, exited;
+  int nthreads, nwarps, order, exited, poison;
   bool depth_first;  // random order: warps run ahead alone in this barrier interval
   unsigned long long rng;
   SimThread* cur;
@@ -629,7 +630,7 @@ static void on_signal(int sig, siginfo_t* si, void* uctx) {
 // ---------------------------------------------------------------- launch
 static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fill) {
   g.block_idx = uint3{bx, by, bz};
-  memset(tls, 0xFF, fill);
+  memset(tls, g.poison, fill);
   g.qhead = g.qtail = 0;
   g.bar_arrived = 0;
   g.exited = 0;
@@ -673,6 +674,7 @@ static int run_launch(const LaunchConfig* cfg) {
   g.nthreads = int(cfg->block[0] * cfg->block[1] * cfg->block[2]);
   g.nwarps = (g.nthreads + 31) / 32;
   g.order = cfg->order;
+  g.poison = cfg->poison;
   g.rng = cfg->seed;
   if (g.nthreads < 1 || g.nthreads > kMaxThreads) { set_error(E_CONFIG, "bad block size"); return E_CONFIG; }
   // The module's TLS block in this OS thread is [static __shared__ ...][pad][dynamic buffer].
@@ -717,7 +719,7 @@ static int run_launch(const LaunchConfig* cfg) {
                      unsigned(b / ((unsigned long long)cfg->grid[0] * cfg->grid[1])), tls, fill);
       if (rc == OK && smem < protect_from) {
         for (size_t o = smem; o < protect_from; ++o)
-          if (static_cast<unsigned char>(dyn[o]) != 0xFF) {
+          if (static_cast<unsigned char>(dyn[o]) != (unsigned char)g.poison) {
             set_error(E_MEMORY, "write to dynamic shared memory at byte offset %zu, past the launch's %zu bytes", o, smem);
             rc = E_MEMORY;
             break;

@@ -172,7 +172,7 @@ inline void cp_async(unsigned long long dst, unsigned long long src, unsigned cp
   AsyncCopy c{d, int(cp_size), g_async_committed[g.cur->linear], {}};
   if (src_size > 0) memcpy(c.data, global_ptr(src, cp_size, line, op), size_t(src_size));  // a fault names the array
   g_async[g.cur->linear].push_back(c);
-  memset(d, 0xFF, cp_size);  // until a wait covers it, the destination holds poison, as a racing read could see
+  memset(d, g.poison, cp_size);  // until a wait covers it, the destination holds poison, as a racing read could see
 }
 inline void cp_async_commit() { ++g_async_committed[g.cur->linear]; }
 inline void cp_async_wait(unsigned long long pending) {
