@@ -38,6 +38,30 @@ CXXFLAGS = (
     "-fsanitize=alignment",  # every typed access checked; the handler is the engine's (no UBSan runtime)
 )
 MIN_GCC = 12
+# CUPAGED_SIM_FMA=1: contract a*b+c into hardware FMA, as the GPU's compiler does (436 fma.rn.f32 in
+# one attention instantiation); the default keeps every product rounded (-ffp-contract=off).
+FMA_FLAGS = ("-ffp-contract=fast", "-mfma")
+
+
+def cxxflags() -> tuple[str, ...]:
+    """The g++ flags of this process's sim builds (CUPAGED_SIM_FMA chooses the contraction)."""
+    fma = os.environ.get("CUPAGED_SIM_FMA", "0")
+    if fma not in ("0", "1"):
+        raise SimCompileError(f"CUPAGED_SIM_FMA must be 0 or 1, got {fma!r}")
+    if fma == "0":
+        return CXXFLAGS
+    if not _cpu_has_fma():
+        raise SimCompileError("CUPAGED_SIM_FMA=1 needs a CPU with FMA3 (x86-64 'fma' in /proc/cpuinfo); this one has none")
+    return tuple(f for f in CXXFLAGS if not f.startswith("-ffp-contract")) + FMA_FLAGS
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_has_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " fma " in line + " " for line in f)
+    except OSError:
+        return False
 _PASS_OPTION = re.compile(r"^(-D|-U|-I|-std=)")
 
 
@@ -135,7 +159,7 @@ def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.C
         raise SimCompileError(str(e)) from None
     passed = [o for o in options if _PASS_OPTION.match(o)]
     key = hashlib.sha256("\0".join(
-        [_shim_text(), code, *passed, "|", *names, "|", identity, *CXXFLAGS, *cuda_inc]).encode()).hexdigest()[:32]
+        [_shim_text(), code, *passed, "|", *names, "|", identity, *cxxflags(), *cuda_inc]).encode()).hexdigest()[:32]
     d = cache_dir("sim")
     so = os.path.join(d, key + ".so")
     meta = os.path.join(d, key + ".smem")
@@ -162,7 +186,7 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc):
     src = os.path.join(tmp, "kernel.cu")
     with open(src, "w", encoding="utf-8") as f:
         f.write(code + "\n\n// ---- generated launch wrappers\n" + _wrappers(names))
-    flags = [*CXXFLAGS, *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
+    flags = [*cxxflags(), *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
              *(f"-I{i}" for i in cuda_inc), "-include", "cupaged_sim.h"]
     obj = os.path.join(tmp, "kernel.o")
     if _asm.has_asm(code, passed):  # inline PTX: preprocess, rewrite each asm statement, compile the result
