@@ -83,7 +83,7 @@ class KernelFamily:
             raise KeyError(f"{name!r} is not a name expression of kernels_cu/{self.stem}.cu")
         label = f"kernels_cu/{self.stem}.cu"
         if xp is np:
-            return _sim_module(self.source, self.options, self.name_expressions, label).get_function(name)
+            return sim_module(self.source, self.options, self.name_expressions, label).get_function(name)
         device = xp.cuda.Device().id
         return _cuda_module(device, self.source, self.options, self.name_expressions, label).get_function(name)
 
@@ -122,8 +122,16 @@ def compile_notice(label: str, target: str, tool: str, count: int, min_seconds: 
     print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
+def sim_module(source, options, names, label):
+    """The sim module of a source, memoized per build mode too (CUPAGED_SIM_FMA / _BOUNDS may change
+    between calls, e.g. in tests)."""
+    from cupaged.sim import _compile
+
+    return _sim_module(source, options, names, label, _compile.cxxflags())
+
+
 @functools.lru_cache(maxsize=None)
-def _sim_module(source, options, names, label):
+def _sim_module(source, options, names, label, flags):
     from cupaged import sim
 
     return sim.RawModule(code=source, options=options, name_expressions=names, label=label)

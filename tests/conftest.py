@@ -104,7 +104,7 @@ def raw_module(backend: Backend, code: str, name_expressions=(), options=("-std=
 
     names, options = tuple(name_expressions), tuple(options)
     if backend.name == "sim":
-        return _runtime._sim_module(code, options, names, None)
+        return _runtime.sim_module(code, options, names, None)
     return _runtime._cuda_module(0, code, options, names, None)
 
 

@@ -37,22 +37,38 @@ CXXFLAGS = (
     "-ftrivial-auto-var-init=pattern", "-fstack-clash-protection", "-fvisibility=hidden", "-w",
     "-fsanitize=alignment",  # every typed access checked; the handler is the engine's (no UBSan runtime)
 )
+# CUPAGED_SIM_BOUNDS=1: every load and store calls the engine's byte-exact bounds check first
+# (cupaged_sim_bounds.h; no ASan runtime is linked). Kernels run ~5x slower: a mode CI runs once.
+BOUNDS_FLAGS = ("-fsanitize=address", "-fsanitize-recover=address", "--param=asan-instrumentation-with-call-threshold=0",
+                "--param=asan-stack=0", "--param=asan-globals=0", "--param=asan-use-after-return=0",
+                "-fno-sanitize-address-use-after-scope")
 MIN_GCC = 12
 # CUPAGED_SIM_FMA=1: contract a*b+c into hardware FMA, as the GPU's compiler does (436 fma.rn.f32 in
 # one attention instantiation); the default keeps every product rounded (-ffp-contract=off).
 FMA_FLAGS = ("-ffp-contract=fast", "-mfma")
 
 
+def _switch(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise SimCompileError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def bounds_checked() -> bool:
+    """Whether CUPAGED_SIM_BOUNDS=1 asks for byte-exact bounds checks on every access."""
+    return _switch("CUPAGED_SIM_BOUNDS")
+
+
 def cxxflags() -> tuple[str, ...]:
-    """The g++ flags of this process's sim builds (CUPAGED_SIM_FMA chooses the contraction)."""
-    fma = os.environ.get("CUPAGED_SIM_FMA", "0")
-    if fma not in ("0", "1"):
-        raise SimCompileError(f"CUPAGED_SIM_FMA must be 0 or 1, got {fma!r}")
-    if fma == "0":
-        return CXXFLAGS
+    """The g++ flags of this process's sim builds (CUPAGED_SIM_FMA chooses the contraction,
+    CUPAGED_SIM_BOUNDS the bounds instrumentation)."""
+    flags = CXXFLAGS + (BOUNDS_FLAGS if bounds_checked() else ())
+    if not _switch("CUPAGED_SIM_FMA"):
+        return flags
     if not _cpu_has_fma():
         raise SimCompileError("CUPAGED_SIM_FMA=1 needs a CPU with FMA3 (x86-64 'fma' in /proc/cpuinfo); this one has none")
-    return tuple(f for f in CXXFLAGS if not f.startswith("-ffp-contract")) + FMA_FLAGS
+    return tuple(f for f in flags if not f.startswith("-ffp-contract")) + FMA_FLAGS
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,10 +23,12 @@ import ctypes
 import mmap
 import os
 import sys
+import weakref
 
 import numpy as np
 
-__all__ = ["GuardedBuffer", "empty", "zeros", "empty_like", "zeros_like", "asarray", "guarded_buffer"]
+__all__ = ["GuardedBuffer", "empty", "zeros", "empty_like", "zeros_like", "asarray", "guarded_buffer", "live_buffers",
+           "regions"]
 
 PAGE = mmap.PAGESIZE
 GUARD = 1 << 20  # bytes of PROT_NONE address space on each side of the data
@@ -66,6 +68,8 @@ class GuardedBuffer(mmap.mmap):
         self.hi = self.base_addr + GUARD + inner  # first byte of the trailing guard zone
         self.end_addr = self.hi + GUARD  # end of the mapping
         self.fill = poison_byte()
+        self.valid = (self.data_addr, self.data_addr + nbytes)  # the array's own bytes (a copy may narrow it)
+        _LIVE.add(self)
         ctypes.memset(self.lo, self.fill, inner)
         for start in (self.base_addr, self.hi):
             if _libc.mprotect(start, GUARD, 0) != 0:
@@ -78,7 +82,7 @@ class GuardedBuffer(mmap.mmap):
     def damaged(self) -> tuple[int, int] | None:
         """(first damaged byte offset relative to the data, count) in pad or slack, or None."""
         for start, end in ((self.lo, self.data_addr), (self.data_addr + self.nbytes, self.hi)):
-            if end <= start:
+            if end <= start or ctypes.string_at(start, end - start) == bytes([self.fill]) * (end - start):
                 continue
             view = np.frombuffer((ctypes.c_ubyte * (end - start)).from_address(start), np.uint8)
             bad = np.flatnonzero(view != self.fill)
@@ -89,6 +93,21 @@ class GuardedBuffer(mmap.mmap):
     def repair(self) -> None:
         ctypes.memset(self.lo, self.fill, self.data_addr - self.lo)
         ctypes.memset(self.data_addr + self.nbytes, self.fill, self.hi - self.data_addr - self.nbytes)
+
+
+_LIVE: "weakref.WeakSet[GuardedBuffer]" = weakref.WeakSet()
+
+
+def live_buffers() -> list[GuardedBuffer]:
+    """Every guarded buffer still alive (not yet collected or closed)."""
+    return [b for b in list(_LIVE) if not b.closed]
+
+
+def regions() -> np.ndarray:
+    """Every live guarded buffer as [mapping base, first valid byte, end of valid bytes, mapping end]
+    (uint64, sorted by base): the engine's table for byte-exact bounds checks."""
+    rows = sorted((b.base_addr, *b.valid, b.end_addr) for b in live_buffers())
+    return np.array(rows, dtype=np.uint64).reshape(-1, 4)
 
 
 def guarded_buffer(a: np.ndarray) -> GuardedBuffer | None:

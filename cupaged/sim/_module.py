@@ -18,7 +18,7 @@ import numpy as np
 
 from cupaged.sim import _compile
 from cupaged.sim._errors import SimError, SimMemoryError, SimSyncError, SimTimeoutError, SimTrapError
-from cupaged.sim._memory import poison_byte
+from cupaged.sim._memory import poison_byte, regions
 from cupaged.sim._params import param_names, strip_comments
 from cupaged.sim._staging import Staging, fault_message
 
@@ -46,7 +46,8 @@ _SCALARS = {  # C++ scalar code -> (ctypes type, numpy dtype name)
 class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_ulonglong),
                 ("order", ctypes.c_int), ("seed", ctypes.c_ulonglong), ("timeout_s", ctypes.c_double),
-                ("tls_dyn_offset", ctypes.c_ulonglong), ("poison", ctypes.c_int)]
+                ("tls_dyn_offset", ctypes.c_ulonglong), ("poison", ctypes.c_int), ("regions", ctypes.c_void_p),
+                ("nregions", ctypes.c_int)]
 
 
 class _ErrorInfo(ctypes.Structure):
@@ -194,6 +195,9 @@ class RawKernel:
         cfg = _LaunchConfig(grid, block, shared_mem, order, seed,
                             float(os.environ.get("CUPAGED_SIM_TIMEOUT", "300")), self.module.tls_dyn_offset,
                             poison_byte())
+        if _compile.bounds_checked():  # the instrumented build looks every access up in this table
+            table = regions()  # [n, 4] uint64: every live guarded array, sorted (alive until the launch ends)
+            cfg.regions, cfg.nregions = table.ctypes.data, len(table)
         try:
             with _LAUNCH_LOCK:
                 rc = self._launch(ctypes.byref(cfg), ptrs)

@@ -15,7 +15,7 @@ import numpy as np
 
 from cupaged.sim._compile import DYN_SMEM_CAPACITY
 from cupaged.sim._errors import SimMemoryError
-from cupaged.sim._memory import GuardedBuffer, guarded_buffer
+from cupaged.sim._memory import GuardedBuffer, guarded_buffer, live_buffers
 
 __all__ = ["Staging", "fault_message"]
 
@@ -32,10 +32,12 @@ def fault_message(err, staged: "Staging", shared_mem: int) -> str:
     addr, dyn = err.fault_addr, err.dyn_smem
     if err.fault_decoded == 3:  # found by instrumentation: the engine's message, plus whose memory it is
         found = staged.locate(addr)
-        where = f"address {addr:#x}"
+        where = f"address {addr:#x}, in no argument's memory (another live guarded array's pad or slack?)"
         if found is not None:
-            off = (addr - staged.ptr[found[0]] + (1 << 63)) % (1 << 64) - (1 << 63)
-            where = f"{staged.names[found[0]]} at byte offset {off} ({where})"
+            i, buf = found[0], staged.buffers[found[0]]
+            off = (addr - staged.ptr[i] + (1 << 63)) % (1 << 64) - (1 << 63)
+            span = f"{buf.valid[0] - staged.ptr[i]}..{buf.valid[1] - staged.ptr[i]}"
+            where = f"{staged.names[i]} at byte offset {off} (its bytes span {span}; address {addr:#x})"
         return f"{err.msg.decode(errors='replace')}: {where}"
     if err.fault_decoded == 2:
         return ("invalid memory access, address unknown: general-protection fault (a non-canonical address, "
@@ -89,6 +91,7 @@ class Staging:
             # 16-byte accesses from the original alignment gets the same alignment here
             lead = g[0] % 16
             g[2] = GuardedBuffer(g[1] - g[0] + lead)
+            g[2].valid = (g[2].data_addr + lead, g[2].data_addr + lead + g[1] - g[0])  # not the lead bytes
             ctypes.memmove(g[2].data_addr + lead, g[0], g[1] - g[0])
             for i, a in g[4]:
                 self.ptr[i] = g[2].data_addr + lead + a.__array_interface__["data"][0] - g[0]
@@ -106,9 +109,9 @@ class Staging:
     def locate(self, addr, registers=(), all_registers=()):
         """(argument index, True) for the argument whose memory or guard zones hold ``addr``, else
         (index, False) for one a register of the faulting operand points into, else for one that
-        some register points into such that ``addr`` = that register + scale × another register
-        (the operand's base and index, when the compiler had folded them into one address, as the
-        alignment checks make it do), else None."""
+        ``addr`` - scale × some register points into (the operand's base, rebuilt from its index
+        when the compiler had folded them into one address before the access, as the sim's
+        instrumentation makes it do), else None."""
         for i, buf in self.buffers.items():
             if buf.base_addr <= addr < buf.end_addr:
                 return i, True
@@ -116,13 +119,16 @@ class Staging:
             i = self._pointed(r)
             if i is not None:
                 return i, False
-        for base in all_registers:
-            i = self._pointed(base)
-            if i is not None and any((base + s * x) % (1 << 64) == addr for x in all_registers for s in (1, 2, 4, 8, 16)):
-                return i, False
+        for x in all_registers:
+            for scale in (1, 2, 4, 8, 16):
+                i = self._pointed((addr - scale * x) % (1 << 64)) if x else None
+                if i is not None:
+                    return i, False
         return None
 
     def check_slack(self):
+        """Pad and slack of every argument, then of every other live guarded array: a stray write
+        far past one array (beyond its guard zones) into another's is reported by this launch."""
         for i, buf in self.buffers.items():
             bad = buf.damaged()
             if bad is not None:
@@ -130,6 +136,14 @@ class Staging:
                 off = bad[0] + buf.data_addr - self.ptr[i]
                 raise SimMemoryError(f"out-of-bounds write to {self.names[i]}: {bad[1]} byte(s) changed "
                                      f"around byte offset {off}, outside its {buf.nbytes} bytes")
+        mine = set(self.buffers.values())
+        for buf in live_buffers():
+            bad = None if buf in mine else buf.damaged()
+            if bad is not None:
+                buf.repair()
+                raise SimMemoryError(f"out-of-bounds write: {bad[1]} byte(s) changed around byte offset {bad[0]} of "
+                                     f"a {buf.nbytes}-byte guarded array that is not an argument of this launch "
+                                     "(a stray write far past some argument)")
 
     def repair(self):
         """After a failed launch: restore pad and slack, so the error does not resurface as a bogus

@@ -41,6 +41,8 @@ struct LaunchConfig {  // mirrored by ctypes in cupaged/sim/_module.py
   double timeout_s;
   unsigned long long tls_dyn_offset;  // offset of the dynamic buffer in the module's TLS segment
   int poison;  // the byte unwritten shared memory and pending cp.async destinations hold
+  const void* regions;  // the guarded arrays (cupaged_sim_bounds.h), sorted by mapping base
+  int nregions;
 };
 
 struct ErrorInfo {  // mirrored by ctypes in cupaged/sim/_module.py
@@ -561,6 +563,8 @@ static void report_deadlock() {
 
 // ---------------------------------------------------------------- shared memory
 // ---------------------------------------------------------------- instrumentation
+#include "cupaged_sim_bounds.h"
+
 // The module is compiled with -fsanitize=alignment: g++ checks the alignment of every typed access
 // and calls this UBSan entry point on a violation (no UBSan runtime is linked: the sim is it). x86
 // tolerates misaligned loads the GPU faults on (a float4 load from a 4-byte-aligned address).
@@ -604,6 +608,10 @@ static void record_fault(siginfo_t* si, void* uctx) {
   } else if (gp) {
     g.err.fault_decoded = 2;
   }
+  // The access was checked just before (bounds instrumentation) and matched no array: the caller's
+  // registers as they were then still hold the base and index the address was computed from.
+  if (g_hook_addr && g.err.fault_addr == g_hook_addr)
+    for (int i = 0; i < 16; ++i) g.err.regs[i] = cupaged_sim_hook_regs[i];
 #else
   (void)uctx;
 #endif
@@ -675,6 +683,12 @@ static int run_launch(const LaunchConfig* cfg) {
   g.nwarps = (g.nthreads + 31) / 32;
   g.order = cfg->order;
   g.poison = cfg->poison;
+  g_regions = static_cast<const Region*>(cfg->regions);
+  g_nregions = cfg->nregions;
+  build_granules();
+  cupaged_sim_gap_lo = 1;  // no unguarded access yet: an empty range
+  cupaged_sim_gap_hi = 0;
+  g_hook_addr = 0;
   g.rng = cfg->seed;
   if (g.nthreads < 1 || g.nthreads > kMaxThreads) { set_error(E_CONFIG, "bad block size"); return E_CONFIG; }
   // The module's TLS block in this OS thread is [static __shared__ ...][pad][dynamic buffer].
