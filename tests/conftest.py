@@ -54,9 +54,10 @@ class Backend:
 
 # Every kernel test runs on the sim in three scheduling orders (natural: warps in lockstep; reverse:
 # each warp runs ahead between barriers; random: both, seeded), so a missing barrier shows up. The
-# other sim modes (CUPAGED_SIM_POISON=large, CUPAGED_SIM_FMA=1) are one more pass each over the
-# kernel tests (`-m kernel`) in natural order: a sum of modes, not a product.
-_OTHER_MODE = os.environ.get("CUPAGED_SIM_POISON", "nan") != "nan" or os.environ.get("CUPAGED_SIM_FMA", "0") != "0"
+# other sim modes (CUPAGED_SIM_POISON=large, CUPAGED_SIM_FMA=1, CUPAGED_SIM_BOUNDS=1) are one more
+# pass each over the kernel tests (`-m kernel`) in natural order: a sum of modes, not a product.
+_OTHER_MODE = (os.environ.get("CUPAGED_SIM_POISON", "nan") != "nan" or os.environ.get("CUPAGED_SIM_FMA", "0") != "0"
+               or os.environ.get("CUPAGED_SIM_BOUNDS", "0") != "0")
 SIM_ORDERS = ("natural",) if _OTHER_MODE else ("natural", "reverse", "random:2024")
 BACKENDS = [*(pytest.param(("sim", o), id=repr(Backend("sim", o))) for o in SIM_ORDERS),
             pytest.param(("cuda", None), id="cuda", marks=pytest.mark.skipif(not gpu_available(), reason="no GPU"))]
