@@ -355,3 +355,36 @@ def test_the_default_orders_catch_a_missing_barrier(monkeypatch):
         results[order] = y.copy()
     assert (results["natural"] == 42).all()
     assert (results["reverse"] != 42).any()
+
+
+ACTIVEMASK = r"""
+// Three branches of one warp each ask __activemask(); then the reconverged warp; then after a
+// barrier, a branch that splits the second warp (16 threads: lanes 16-31 do not exist).
+extern "C" __global__ void am(unsigned* out) {
+  const int lane = threadIdx.x % 32;
+  unsigned m;
+  if (lane < 10) m = __activemask();
+  else if (lane % 2) m = __activemask();
+  else m = __activemask();
+  out[threadIdx.x] = m;
+  out[48 + threadIdx.x] = __activemask();
+  __syncthreads();
+  if (threadIdx.x < 40) out[96 + threadIdx.x] = __activemask();
+}
+"""
+
+
+@pytest.mark.parametrize("order", ["natural", "reverse", "random:5"])
+def test_activemask_is_the_lanes_at_the_same_call_site(monkeypatch, order):
+    """__activemask() is the set of lanes of the warp that reach the same call site before their
+    next scheduling point: inside divergent code, the lanes of that branch (not every live lane)."""
+    monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
+    out = sim.zeros(144, np.uint32)
+    sim.RawModule(code=ACTIVEMASK).get_function("am")((1,), (48,), (out,))
+    lane = np.arange(48) % 32
+    odd, even = sum(1 << l for l in range(11, 32, 2)), sum(1 << l for l in range(10, 32, 2))
+    branch = np.where(lane < 10, 0x3FF, np.where(lane % 2 == 1, odd, even))
+    branch[32:] = np.where(lane[32:] < 10, 0x3FF, np.where(lane[32:] % 2 == 1, odd & 0xFFFF, even & 0xFFFF))
+    np.testing.assert_array_equal(out[:48], branch)
+    np.testing.assert_array_equal(out[48:96], [0xFFFFFFFF] * 32 + [0xFFFF] * 16)
+    np.testing.assert_array_equal(out[96:136], [0xFFFFFFFF] * 32 + [0xFF] * 8)

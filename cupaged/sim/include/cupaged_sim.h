@@ -127,8 +127,8 @@ inline unsigned reduce_minmax(bool mn, unsigned m, unsigned v, int line) { retur
 inline int reduce_add(unsigned m, int v, int line) { return int(reduce(RED_ADD, m, unsigned(v), line)); }
 inline unsigned reduce_add(unsigned m, unsigned v, int line) { return reduce(RED_ADD, m, v, line); }
 }  // namespace cupaged_sim
-// Lanes of the warp that have not exited (the sim cannot see divergence within a warp).
-inline unsigned __activemask() { return ::cupaged_sim::g.warps[::cupaged_sim::g.cur->warp].live; }
+// The lanes that reach this call site together (see settle_activemask in the engine).
+#define __activemask() ::cupaged_sim::activemask(CUPAGED_SIM_SITE(), __LINE__)
 inline unsigned __lanemask_lt() { return (1u << ::cupaged_sim::g.cur->lane) - 1u; }
 
 // ---- traps

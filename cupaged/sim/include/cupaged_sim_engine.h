@@ -67,7 +67,7 @@ static const unsigned long long kDynSmemCapacity = CUPAGED_SIM_DYN_SMEM;
 static const size_t kStackSize = 128 * 1024;
 static const int kMaxThreads = 1024;
 
-enum State { RUNNABLE, WAIT_BAR, WAIT_WARP, DONE };
+enum State { RUNNABLE, WAIT_BAR, WAIT_WARP, DONE, WAIT_ACTIVE };
 enum Coll {
   SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR, VOTE_ALL, VOTE_ANY, BALLOT, SYNCWARP, MATCH_ANY, MATCH_ALL,
   RED_ADD, RED_MIN, RED_MAX, RED_UMIN, RED_UMAX, RED_AND, RED_OR, RED_XOR, WARP_OP
@@ -104,6 +104,9 @@ struct SimThread {
   const unsigned* xin;
   unsigned* xout;
   unsigned long long xaddr;
+  // __activemask(): its call site and result
+  const void* am_site;
+  unsigned am_result;
   Fiber fiber;
 };
 
@@ -127,6 +130,7 @@ struct AsyncCopy {
 
 struct Warp {
   unsigned live;  // lanes that exist and have not exited
+  int am_waiting;  // lanes waiting in __activemask()
   Group groups[32];
 };
 
@@ -314,6 +318,8 @@ static void release(int* ids, int n, bool warp = false) {
   for (int i = 0; i < n; ++i) make_runnable(&g.threads[ids[i]]);
 }
 
+static void settle_activemask(Warp* w);
+
 // ---------------------------------------------------------------- barriers
 static void release_barrier() {
   SimThread* first = nullptr;
@@ -349,8 +355,54 @@ __attribute__((noinline)) static int barrier(int kind, int pred, int line, const
   t->bar_line = line; t->bar_kind = kind; t->bar_pred = pred;
   t->state = WAIT_BAR;
   if (++g.bar_arrived == g.nthreads) release_barrier();
+  else settle_activemask(&g.warps[t->warp]);
   block_wait();
   return t->bar_result;
+}
+
+// ---------------------------------------------------------------- __activemask
+// The lanes of a warp that reach the same __activemask() call site before their next scheduling
+// point: a lane that calls it waits until every other lane of its warp has reached some
+// scheduling point (a barrier, a collective, exit, or an __activemask), then learns which lanes
+// wait at its call site. Lanes that took another branch are not in the mask, as on the GPU.
+static void settle_activemask(Warp* w) {
+  if (!w->am_waiting) return;
+  int base = int(w - g.warps) * 32;
+  unsigned waiting = 0;
+  for (int l = 0; l < 32 && base + l < g.nthreads; ++l) {
+    int st = g.threads[base + l].state;
+    if (st == RUNNABLE) return;  // a lane that may still arrive
+    if (st == WAIT_ACTIVE) waiting |= 1u << l;
+  }
+  while (waiting) {
+    const void* site = g.threads[base + __builtin_ctz(waiting)].am_site;
+    unsigned mask = 0;
+    for (int l = 0; l < 32; ++l)
+      if ((waiting >> l & 1u) && g.threads[base + l].am_site == site) mask |= 1u << l;
+    int ids[32], n = 0;
+    for (int l = 0; l < 32; ++l) {
+      if (!(mask >> l & 1u)) continue;
+      SimThread* t = &g.threads[base + l];
+      t->am_result = mask;
+      if (t != g.cur) ids[n++] = base + l;
+      else t->state = RUNNABLE;
+    }
+    w->am_waiting -= __builtin_popcount(mask);
+    waiting &= ~mask;
+    release(ids, n, true);
+  }
+}
+
+__attribute__((noinline)) static unsigned activemask(const void* site, int line) {
+  SimThread* t = g.cur;
+  Warp* w = &g.warps[t->warp];
+  t->am_site = site;
+  t->line = line;
+  t->state = WAIT_ACTIVE;
+  ++w->am_waiting;
+  settle_activemask(w);
+  if (t->state == WAIT_ACTIVE) block_wait();
+  return t->am_result;
 }
 
 // ---------------------------------------------------------------- warp collectives
@@ -467,7 +519,7 @@ __attribute__((noinline)) static unsigned long long collective(int kind, unsigne
   t->out_pred = pred_out ? *pred_out : 0;
   t->state = WAIT_WARP;
   if (group_complete(w, gr)) finish_group(w, gr);
-  else block_wait();
+  else { settle_activemask(w); block_wait(); }
   if (pred_out) *pred_out = t->out_pred;
   return t->result;
 }
@@ -494,7 +546,7 @@ __attribute__((noinline)) static void warp_op(const char* name, void (*compute)(
   t->line = line; t->group = int(gr - w->groups);
   t->state = WAIT_WARP;
   if (group_complete(w, gr)) finish_group(w, gr);
-  else block_wait();
+  else { settle_activemask(w); block_wait(); }
 }
 
 static void finish_warp_op(Warp* w, Group* gr) {
@@ -533,6 +585,7 @@ static void thread_exit() {
   w->live &= ~(1u << t->lane);
   for (auto& c : w->groups)
     if (c.active && group_complete(w, &c)) finish_group(w, &c);
+  settle_activemask(w);
 }
 
 // ---------------------------------------------------------------- deadlock report
@@ -645,6 +698,7 @@ static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fi
   for (int w = 0; w < g.nwarps; ++w) {
     int lanes = g.nthreads - w * 32 < 32 ? g.nthreads - w * 32 : 32;
     g.warps[w].live = lanes == 32 ? 0xFFFFFFFFu : ((1u << lanes) - 1u);
+    g.warps[w].am_waiting = 0;
     for (auto& c : g.warps[w].groups) c.active = false;
   }
   int ids[kMaxThreads];
