@@ -500,3 +500,23 @@ def test_alignas_after_shared(order, monkeypatch):
     t = np.arange(8)
     expect = (x[7 - t] + 1) + np.where(t < 6, 2 * x[np.minimum(t, 5)], 0) + t % 3 + 3
     np.testing.assert_allclose(out[32:], expect.astype(np.float32), rtol=1e-6)
+
+
+CCCL_SRC = r"""
+#include <cuda/std/type_traits>
+extern "C" __global__ void traits(float* out) {
+  const long long t0 = clock64();
+  const int c = clock();
+  out[0] = cuda::std::is_same<int, int>::value && !cuda::std::is_same<int, float>::value ? 1.0f : 0.0f;
+  out[1] = clock64() >= t0 && c != 0x7fffffff ? 1.0f : 0.0f;
+}
+"""
+
+
+def test_cccl_headers_and_clock_compile():
+    """<cuda/std/type_traits> pulls in <ctime>: the sim's own clock() used to clash with the C
+    library's. (NVRTC compiles it too.)"""
+    compile_cubin(CCCL_SRC, arch="sm_80", options=("-std=c++17",))
+    out = sim.zeros(2)
+    sim.RawModule(code=CCCL_SRC, options=("-std=c++17",)).get_function("traits")((1,), (1,), (out,))
+    np.testing.assert_array_equal(out, [1.0, 1.0])

@@ -252,3 +252,48 @@ def test_launch_cost(fn):
     print(f"\nsim launch cost, tiny kernel 1x32 threads: guarded arrays {res['guarded']:.1f} us/launch, "
           f"plain numpy arrays {res['plain numpy']:.1f} us/launch")
     assert (yg == 1).all() and (yp == 1).all()
+
+
+PER_KERNEL = r"""
+#define THREADS 64
+#define HALF (THREADS / 2)
+__device__ float helper(int i) { __shared__ float h[8]; h[i & 7] = 0.0f; __syncthreads(); return h[0]; }
+// 120 KiB of static shared memory, only in this kernel
+extern "C" __global__ void big(float* out) {
+  __shared__ float tile[30 * 1024];
+  tile[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[0] = tile[7] + helper(threadIdx.x);
+}
+extern "C" __global__ void __launch_bounds__(HALF) small(float* out) {
+  extern __shared__ float dyn[];
+  __shared__ float a[100];
+  a[threadIdx.x] = dyn[0] = 2.0f;
+  __syncthreads();
+  out[0] = a[5] + dyn[0] + helper(threadIdx.x);
+}
+"""
+
+
+def test_static_shared_memory_and_launch_bounds_are_per_kernel():
+    """The GPU charges each kernel its own static __shared__ (plus what device helpers and
+    namespace-scope variables declare), not the module's sum; and a launch above a kernel's
+    __launch_bounds__ fails. (The sim once charged every kernel the module's total.)"""
+    mod = sim.RawModule(code=PER_KERNEL)
+    assert mod.static_shared_bytes == {"big": 120 * 1024 + 32, "small": 400 + 32}
+    small = mod.get_function("small")
+    assert small.max_threads_per_block == 32 and mod.get_function("big").max_threads_per_block == 1024
+    small.max_dynamic_shared_size_bytes = 150 * 1024  # 150 KiB + 432 B fit sm_90's 227 KiB; 150 + 120 would not
+    out = sim.zeros(1)
+    small((1,), (32,), (out,), shared_mem=150 * 1024)
+    assert out[0] == 4.0
+    with pytest.raises(ValueError, match=r"block of 33 threads exceeds its __launch_bounds__\(32\)"):
+        small((1,), (33,), (out,), shared_mem=16)
+
+
+def test_paged_attention_is_charged_its_own_static_shared_memory():
+    from cupaged import _runtime
+
+    family = next(f for f in _runtime.families() if f.stem == "paged_attention")
+    mod = _runtime.sim_module(family.source, family.options, family.name_expressions, None)
+    assert max(mod.static_shared_bytes.values()) <= 1024  # 524 B today; the module's sum is ~19 KB

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ from cupaged._runtime import compile_notice
 from cupaged.sim import _asm
 from cupaged.sim._cache import cache_dir, usable
 from cupaged.sim._errors import SimCompileError
+from cupaged.sim._smem import static_per_kernel
 
 INCLUDE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
 DYN_SMEM_CAPACITY = 233472  # 228 KiB: above sm_90's 227 KiB opt-in maximum, a whole number of pages
@@ -113,10 +115,14 @@ def compiler() -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _shim_text() -> str:
+    """Every file of the sim's include directory (subdirectories too), for the cache key."""
     parts = []
-    for name in sorted(os.listdir(INCLUDE_DIR)):
-        with open(os.path.join(INCLUDE_DIR, name), encoding="utf-8") as f:
-            parts.append(name + "\n" + f.read())
+    for root, dirs, files in sorted(os.walk(INCLUDE_DIR)):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            with open(path, encoding="utf-8") as f:
+                parts.append(os.path.relpath(path, INCLUDE_DIR) + "\n" + f.read())
     return "\n".join(parts)
 
 
@@ -131,11 +137,11 @@ def _wrappers(names) -> str:
     return "".join(out)
 
 
-def _tls_symbols(cxx: str, obj: str) -> tuple[list[str], int]:
-    """Undefined TLS symbols (extern __shared__ arrays) and total size of defined ones (static smem)."""
+def _tls_symbols(cxx: str, obj: str) -> tuple[list[str], dict[str, int]]:
+    """Undefined TLS symbols (extern __shared__ arrays) and the sizes of defined ones (static smem)."""
     readelf = shutil.which("readelf") or os.path.join(os.path.dirname(cxx), "readelf")
     out = subprocess.run([readelf, "-sW", obj], capture_output=True, text=True, check=True).stdout
-    undefined, static = [], 0
+    undefined, static = [], {}
     for line in out.splitlines():
         f = line.split()
         if len(f) >= 8 and f[3] == "TLS":
@@ -143,7 +149,7 @@ def _tls_symbols(cxx: str, obj: str) -> tuple[list[str], int]:
                 if f[7] != "__cupaged_dyn_smem":
                     undefined.append(f[7])
             else:
-                static += int(f[2], 0)
+                static[f[7]] = int(f[2], 0)
     return undefined, static
 
 
@@ -163,9 +169,10 @@ def _run(cmd, what):
         raise SimCompileError(f"{what} failed ({' '.join(cmd[:1])} exit {r.returncode}):\n{r.stderr}{r.stdout}")
 
 
-def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.CDLL, int, int]:
+def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.CDLL, dict[str, int], int]:
     """The loaded shared object for (code, options, names), from the cache or compiled now:
-    (library, static shared bytes, offset of the dynamic shared buffer in the module's TLS segment).
+    (library, static shared bytes per kernel name, offset of the dynamic shared buffer in the
+    module's TLS segment).
 
     A compile prints a notice on stderr naming ``label`` (default: the source's line count)."""
     cxx, identity = compiler()
@@ -186,8 +193,8 @@ def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.C
             os.unlink(so)
         else:
             with open(meta) as f:
-                static_smem, dyn_offset = (int(x) for x in f.read().split())
-            return lib, static_smem, dyn_offset
+                saved = json.load(f)
+            return lib, saved["static"], saved["dyn_offset"]
     label = label or f"a {len(code.splitlines())}-line CUDA source"
     with compile_notice(label, "the sim", os.path.basename(cxx), len(names)):
         with tempfile.TemporaryDirectory(dir=d) as tmp:
@@ -217,7 +224,8 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc):
         _run([cxx, *flags, "-x", "c++-cpp-output", "-c", src, "-o", obj], "compiling the kernel source for the sim")
     else:
         _run([cxx, *flags, "-x", "c++", "-c", src, "-o", obj], "compiling the kernel source for the sim")
-    aliases, static_smem = _tls_symbols(cxx, obj)
+    aliases, symbols = _tls_symbols(cxx, obj)
+    static_smem = static_per_kernel(symbols, names)
     asm = os.path.join(tmp, "smem.s")
     with open(asm, "w") as f:
         f.write(_smem_asm(aliases))
@@ -225,7 +233,7 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc):
     _run([cxx, "-shared", "-o", out, obj, asm, "-ldl"], "linking the sim module")
     dyn_offset = _dyn_offset(out)
     with open(os.path.join(tmp, "smem"), "w") as f:
-        f.write(f"{static_smem} {dyn_offset}")
+        json.dump({"static": static_smem, "dyn_offset": dyn_offset}, f)
     # The linker and open() honour the umask; a group-writable object would be deleted by
     # usable() at the next lookup (under umask 002 the cache never hit): set the modes here.
     os.chmod(out, 0o700)

@@ -20,6 +20,7 @@ from cupaged.sim import _compile
 from cupaged.sim._errors import SimError, SimMemoryError, SimSyncError, SimTimeoutError, SimTrapError
 from cupaged.sim._memory import poison_byte, regions
 from cupaged.sim._params import param_names, strip_comments
+from cupaged.sim._smem import launch_bounds
 from cupaged.sim._staging import Staging, fault_message
 
 __all__ = ["RawModule", "RawKernel"]
@@ -93,7 +94,9 @@ class RawModule:
             if m.group(1) not in names:
                 names.append(m.group(1))
         self._names = names
-        self._lib, self.static_shared_bytes, self.tls_dyn_offset = _compile.build(code, self.options, names, label)
+        self._lib, static, self.tls_dyn_offset = _compile.build(code, self.options, names, label)
+        self.static_shared_bytes = static  # per kernel name: what the GPU charges each kernel
+        self._bounds = launch_bounds(strip_comments(code))
         self._lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
         self._kernels = {}
 
@@ -119,7 +122,8 @@ class RawKernel:
         names = param_names(module.code, name, len(self.param_types))
         self.param_names = tuple(names or (f"argument {i}" for i in range(len(self.param_types))))
         self.max_dynamic_shared_size_bytes = DEFAULT_SMEM
-        self.max_threads_per_block = 1024
+        base = re.sub(r"<.*", "", name).rpartition("::")[2].strip()
+        self.max_threads_per_block = min(1024, module._bounds.get(base, 1024))  # as CuPy reports it
 
     # --------------------------------------------------------------- marshaling
     def _scalar(self, i, code, a):
@@ -173,8 +177,12 @@ class RawKernel:
         if shared_mem > self.max_dynamic_shared_size_bytes:
             raise ValueError(f"{self.name}: shared_mem={shared_mem} exceeds the kernel's "
                              f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} (opt in first)")
-        if shared_mem + self.module.static_shared_bytes > limit or self.max_dynamic_shared_size_bytes > limit:
-            raise ValueError(f"{self.name}: {shared_mem} bytes of dynamic + {self.module.static_shared_bytes} of static "
+        if self.max_threads_per_block < nthreads:
+            raise ValueError(f"{self.name}: a block of {nthreads} threads exceeds its __launch_bounds__"
+                             f"({self.max_threads_per_block}) (the GPU refuses such a launch)")
+        static = self.module.static_shared_bytes[self.name]
+        if shared_mem + static > limit or self.max_dynamic_shared_size_bytes > limit:
+            raise ValueError(f"{self.name}: {shared_mem} bytes of dynamic + {static} of static "
                              f"shared memory exceed {arch}'s {limit} bytes per block")
         cvals, views = [None] * len(args), []
         for i, (code, a) in enumerate(zip(self.param_types, args)):

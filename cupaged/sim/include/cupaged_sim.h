@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <type_traits>
 #include <utility>
 #include <string>
@@ -292,9 +293,9 @@ inline unsigned atomicDec(unsigned* p, unsigned lim) { unsigned o = *p; *p = (o 
 #define atomicExch_block atomicExch
 #define atomicCAS_block atomicCAS
 
-// ---- clocks
+// ---- clocks (for timing only). CUDA's clock() is the host C library's here: defining our own
+// clashed with <ctime>, which CCCL headers such as <cuda/std/type_traits> pull in.
 inline long long clock64() { return (long long)__builtin_ia32_rdtsc(); }
-inline int clock() { return int(clock64()); }
 
 // ---- kernel launch and parameter type report, used by the generated wrappers
 namespace cupaged_sim {
