@@ -516,6 +516,8 @@ extern "C" __global__ void traits(float* out) {
 def test_cccl_headers_and_clock_compile():
     """<cuda/std/type_traits> pulls in <ctime>: the sim's own clock() used to clash with the C
     library's. (NVRTC compiles it too.)"""
+    from cupaged._nvrtc import compile_cubin
+
     compile_cubin(CCCL_SRC, arch="sm_80", options=("-std=c++17",))
     out = sim.zeros(2)
     sim.RawModule(code=CCCL_SRC, options=("-std=c++17",)).get_function("traits")((1,), (1,), (out,))
