@@ -45,12 +45,12 @@ def test_misaligned_float4_load_names_the_argument(fn, offset):
     x = sim.asarray(np.arange(64, dtype=np.float32))
     with pytest.raises(sim.SimMemoryError, match=rf"misaligned .*16-byte-aligned type .*: x at byte offset {4 * offset} "
                                                   r".*in thread \(0,0,0\)"):
-        fn("load4")((1,), (8,), (x, sim.zeros(8, np.float32), np.int32(offset)))
+        fn("load4")((1,), (1,), (x, sim.zeros(8, np.float32), np.int32(offset)))
 
 
 def test_misaligned_half2_store_names_the_argument(fn):
     with pytest.raises(sim.SimMemoryError, match=r"misaligned (store|access) of a 4-byte-aligned type .*: y at byte offset 2"):
-        fn("store_half2")((1,), (4,), (sim.zeros(16, np.float16), np.int32(1)))
+        fn("store_half2")((1,), (1,), (sim.zeros(16, np.float16), np.int32(1)))
 
 
 def _misaligned(a: np.ndarray) -> np.ndarray:
