@@ -25,10 +25,11 @@ from cupaged.sim._errors import (
 )
 from cupaged.sim._memory import asarray, empty, empty_like, zeros, zeros_like
 from cupaged.sim._module import RawKernel, RawModule
+from cupaged.sim._profile import profile
 
 __all__ = [
     "RawModule", "RawKernel", "SimError", "SimCompileError", "SimMemoryError", "SimSyncError",
-    "SimTrapError", "SimTimeoutError", "empty", "zeros", "empty_like", "zeros_like", "asarray",
+    "SimTrapError", "SimTimeoutError", "empty", "zeros", "empty_like", "zeros_like", "asarray", "profile",
 ]
 
 for _public in (RawModule, RawKernel, SimError, SimCompileError, SimMemoryError, SimSyncError, SimTrapError,

@@ -62,10 +62,14 @@ def bounds_checked() -> bool:
     return _switch("CUPAGED_SIM_BOUNDS")
 
 
-def cxxflags() -> tuple[str, ...]:
+# The profiler's build (cupaged.sim.profile()): every access calls the sim's __tsan_* entry points.
+PROFILE_FLAGS = ("-fsanitize=thread", "-DCUPAGED_SIM_PROFILE=1")
+
+
+def cxxflags(profile: bool = False) -> tuple[str, ...]:
     """The g++ flags of this process's sim builds (CUPAGED_SIM_FMA chooses the contraction,
-    CUPAGED_SIM_BOUNDS the bounds instrumentation)."""
-    flags = CXXFLAGS + (BOUNDS_FLAGS if bounds_checked() else ())
+    CUPAGED_SIM_BOUNDS the bounds instrumentation; ``profile``: the profiler's build instead)."""
+    flags = CXXFLAGS + (PROFILE_FLAGS if profile else BOUNDS_FLAGS if bounds_checked() else ())
     if not _switch("CUPAGED_SIM_FMA"):
         return flags
     if not _cpu_has_fma():
@@ -169,7 +173,7 @@ def _run(cmd, what):
         raise SimCompileError(f"{what} failed ({' '.join(cmd[:1])} exit {r.returncode}):\n{r.stderr}{r.stdout}")
 
 
-def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.CDLL, dict[str, int], int]:
+def build(code: str, options, names, label: str | None = None, profile: bool = False) -> tuple[ctypes.CDLL, dict[str, int], int]:
     """The loaded shared object for (code, options, names), from the cache or compiled now:
     (library, static shared bytes per kernel name, offset of the dynamic shared buffer in the
     module's TLS segment).
@@ -182,7 +186,7 @@ def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.C
         raise SimCompileError(str(e)) from None
     passed = [o for o in options if _PASS_OPTION.match(o)]
     key = hashlib.sha256("\0".join(
-        [_shim_text(), code, *passed, "|", *names, "|", identity, *cxxflags(), *cuda_inc]).encode()).hexdigest()[:32]
+        [_shim_text(), code, *passed, "|", *names, "|", identity, *cxxflags(profile), *cuda_inc]).encode()).hexdigest()[:32]
     d = cache_dir("sim")
     so = os.path.join(d, key + ".so")
     meta = os.path.join(d, key + ".smem")
@@ -198,18 +202,18 @@ def build(code: str, options, names, label: str | None = None) -> tuple[ctypes.C
     label = label or f"a {len(code.splitlines())}-line CUDA source"
     with compile_notice(label, "the sim", os.path.basename(cxx), len(names)):
         with tempfile.TemporaryDirectory(dir=d) as tmp:
-            lib, static_smem, dyn_offset = _compile(cxx, tmp, code, passed, names, cuda_inc)
+            lib, static_smem, dyn_offset = _compile(cxx, tmp, code, passed, names, cuda_inc, profile)
             os.replace(os.path.join(tmp, "module.so"), so)
             os.replace(os.path.join(tmp, "smem"), meta)
     return lib, static_smem, dyn_offset
 
 
-def _compile(cxx, tmp, code, passed, names, cuda_inc):
+def _compile(cxx, tmp, code, passed, names, cuda_inc, profile=False):
     """Compile and link into ``tmp`` (module.so and smem) and load the object from there."""
     src = os.path.join(tmp, "kernel.cu")
     with open(src, "w", encoding="utf-8") as f:
         f.write(code + "\n\n// ---- generated launch wrappers\n" + _wrappers(names))
-    flags = [*cxxflags(), *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
+    flags = [*cxxflags(profile), *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
              *(f"-I{i}" for i in cuda_inc), "-include", "cupaged_sim.h"]
     obj = os.path.join(tmp, "kernel.o")
     if _asm.has_asm(code, passed):  # inline PTX: preprocess, rewrite each asm statement, compile the result

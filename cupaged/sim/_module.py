@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from cupaged.sim import _compile
+from cupaged.sim import _compile, _profile
 from cupaged.sim._errors import SimError, SimMemoryError, SimSyncError, SimTimeoutError, SimTrapError
 from cupaged.sim._memory import poison_byte, regions
 from cupaged.sim._params import param_names, strip_comments
@@ -48,7 +48,7 @@ class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_ulonglong),
                 ("order", ctypes.c_int), ("seed", ctypes.c_ulonglong), ("timeout_s", ctypes.c_double),
                 ("tls_dyn_offset", ctypes.c_ulonglong), ("poison", ctypes.c_int), ("regions", ctypes.c_void_p),
-                ("nregions", ctypes.c_int)]
+                ("nregions", ctypes.c_int), ("profile", ctypes.c_void_p)]
 
 
 class _ErrorInfo(ctypes.Structure):
@@ -99,6 +99,22 @@ class RawModule:
         self._bounds = launch_bounds(strip_comments(code))
         self._lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
         self._kernels = {}
+        self._label, self._profiled = label, None
+
+    def _variant(self, index: int, profiled: bool):
+        """(library, launch function, dynamic shared offset) of kernel ``index`` in the plain build
+        or in the profiler's (compiled on first use)."""
+        if not profiled:
+            lib, offset = self._lib, self.tls_dyn_offset
+        else:
+            if self._profiled is None:
+                lib, _, offset = _compile.build(self.code, self.options, self._names, self._label, profile=True)
+                lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
+                self._profiled = lib, offset
+            lib, offset = self._profiled
+        launch = getattr(lib, f"cupaged_sim_launch_{index}")
+        launch.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.POINTER(ctypes.c_void_p))
+        return lib, launch, offset
 
     def get_function(self, name: str) -> "RawKernel":
         if name not in self._kernels:
@@ -113,9 +129,7 @@ class RawKernel:
     """A launchable kernel: ``kernel(grid, block, args, shared_mem=0)``."""
 
     def __init__(self, module: RawModule, name: str, index: int):
-        self.module, self.name = module, name
-        self._launch = getattr(module._lib, f"cupaged_sim_launch_{index}")
-        self._launch.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.POINTER(ctypes.c_void_p))
+        self.module, self.name, self.index = module, name, index
         params = getattr(module._lib, f"cupaged_sim_params_{index}")
         params.restype = ctypes.c_char_p
         self.param_types = tuple(c for c in params().decode().split(",") if c)
@@ -200,20 +214,25 @@ class RawKernel:
                 cvals[i] = ctypes.c_void_p(staged.ptr[i])
             ptrs[i] = ctypes.addressof(cvals[i])
         order, seed = _order()
+        probe = _profile.LaunchProbe(self.param_names, staged) if _profile.active() else None
+        lib, launch, dyn_offset = self.module._variant(self.index, probe is not None)
         cfg = _LaunchConfig(grid, block, shared_mem, order, seed,
-                            float(os.environ.get("CUPAGED_SIM_TIMEOUT", "300")), self.module.tls_dyn_offset,
-                            poison_byte())
-        if _compile.bounds_checked():  # the instrumented build looks every access up in this table
+                            float(os.environ.get("CUPAGED_SIM_TIMEOUT", "300")), dyn_offset, poison_byte())
+        if probe is not None:
+            cfg.profile = ctypes.addressof(probe.struct)
+        elif _compile.bounds_checked():  # the instrumented build looks every access up in this table
             table = regions()  # [n, 4] uint64: every live guarded array, sorted (alive until the launch ends)
             cfg.regions, cfg.nregions = table.ctypes.data, len(table)
         try:
             with _LAUNCH_LOCK:
-                rc = self._launch(ctypes.byref(cfg), ptrs)
-                err = self.module._lib.cupaged_sim_error().contents if rc else None
+                rc = launch(ctypes.byref(cfg), ptrs)
+                err = lib.cupaged_sim_error().contents if rc else None
                 if rc:
                     staged.repair()
                     raise self._error(rc, err, staged, shared_mem)
             staged.check_slack()
+            if probe is not None:
+                probe.record(self.name, grid, block, shared_mem)
         finally:
             staged.finish()
 

@@ -20,6 +20,7 @@
 #include <sys/mman.h>
 #include <sys/time.h>
 #include <unistd.h>
+#include <algorithm>
 #include <vector>
 #if !defined(__x86_64__)
 #include <ucontext.h>
@@ -43,6 +44,7 @@ struct LaunchConfig {  // mirrored by ctypes in cupaged/sim/_module.py
   int poison;  // the byte unwritten shared memory and pending cp.async destinations hold
   const void* regions;  // the guarded arrays (cupaged_sim_bounds.h), sorted by mapping base
   int nregions;
+  void* profile;  // a ProfLaunch (cupaged_sim_profile.h) when profiled, else null
 };
 
 struct ErrorInfo {  // mirrored by ctypes in cupaged/sim/_module.py
@@ -160,6 +162,8 @@ static Engine g;
 static char* g_stacks[kMaxThreads];
 static std::vector<AsyncCopy> g_async[kMaxThreads];  // per thread, oldest first
 static unsigned g_async_committed[kMaxThreads];       // commit groups closed so far
+
+#include "cupaged_sim_profile.h"
 
 // ---------------------------------------------------------------- errors
 static void set_error(int code, const char* fmt, ...) {
@@ -354,6 +358,7 @@ __attribute__((noinline)) static int barrier(int kind, int pred, int line, const
   t->bar_site = site;
   t->bar_line = line; t->bar_kind = kind; t->bar_pred = pred;
   t->state = WAIT_BAR;
+  CUPAGED_SIM_PROF(prof_sched_point(t));
   if (++g.bar_arrived == g.nthreads) release_barrier();
   else settle_activemask(&g.warps[t->warp]);
   block_wait();
@@ -399,6 +404,7 @@ __attribute__((noinline)) static unsigned activemask(const void* site, int line)
   t->am_site = site;
   t->line = line;
   t->state = WAIT_ACTIVE;
+  CUPAGED_SIM_PROF(prof_sched_point(t));
   ++w->am_waiting;
   settle_activemask(w);
   if (t->state == WAIT_ACTIVE) block_wait();
@@ -518,6 +524,7 @@ __attribute__((noinline)) static unsigned long long collective(int kind, unsigne
   t->value = value; t->arg = arg; t->line = line; t->group = int(gr - w->groups);
   t->out_pred = pred_out ? *pred_out : 0;
   t->state = WAIT_WARP;
+  CUPAGED_SIM_PROF(prof_sched_point(t));
   if (group_complete(w, gr)) finish_group(w, gr);
   else { settle_activemask(w); block_wait(); }
   if (pred_out) *pred_out = t->out_pred;
@@ -545,6 +552,7 @@ __attribute__((noinline)) static void warp_op(const char* name, void (*compute)(
   gr->arrived |= 1u << t->lane;
   t->line = line; t->group = int(gr - w->groups);
   t->state = WAIT_WARP;
+  CUPAGED_SIM_PROF(prof_sched_point(t));
   if (group_complete(w, gr)) finish_group(w, gr);
   else { settle_activemask(w); block_wait(); }
 }
@@ -711,6 +719,7 @@ static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fi
     if (!init_fiber(t)) { set_error(E_OTHER, "cannot map fiber stacks"); return E_OTHER; }
     ids[i] = i;
   }
+  CUPAGED_SIM_PROF(prof_block_start(g.nthreads));
   release(ids, g.nthreads);
   int done = 0;
   while (done < g.nthreads) {
@@ -724,6 +733,7 @@ static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fi
     if (t->state == DONE) ++done;
   }
   g.cur = nullptr;
+  CUPAGED_SIM_PROF(prof_block_end());
   return OK;
 }
 
@@ -737,6 +747,7 @@ static int run_launch(const LaunchConfig* cfg) {
   g.nwarps = (g.nthreads + 31) / 32;
   g.order = cfg->order;
   g.poison = cfg->poison;
+  g_prof = static_cast<ProfLaunch*>(cfg->profile);
   g_regions = static_cast<const Region*>(cfg->regions);
   g_nregions = cfg->nregions;
   build_granules();

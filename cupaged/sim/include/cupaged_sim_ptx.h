@@ -171,11 +171,20 @@ inline void cp_async(unsigned long long dst, unsigned long long src, unsigned cp
   char* d = shared_ptr(dst, cp_size, cp_size, line, op);
   AsyncCopy c{d, int(cp_size), g_async_committed[g.cur->linear], {}};
   if (src_size > 0) memcpy(c.data, global_ptr(src, cp_size, line, op), size_t(src_size));  // a fault names the array
+#if defined(CUPAGED_SIM_PROFILE)
+  if (g_prof) {  // the copy is an access of the emulation's own: its site is the asm statement's line
+    const void* site = reinterpret_cast<const void*>(uintptr_t(line) << 1 | 1u);
+    g_prof->cp_async_bytes += cp_size;
+    if (src_size > 0) prof_record(uintptr_t(src), unsigned(src_size), false, site);
+    prof_record(uintptr_t(d), cp_size, true, site);
+  }
+#endif
   g_async[g.cur->linear].push_back(c);
   memset(d, g.poison, cp_size);  // until a wait covers it, the destination holds poison, as a racing read could see
 }
 inline void cp_async_commit() { ++g_async_committed[g.cur->linear]; }
 inline void cp_async_wait(unsigned long long pending) {
+  CUPAGED_SIM_PROF(prof_sched_point(g.cur));
   auto& q = g_async[g.cur->linear];
   unsigned done = g_async_committed[g.cur->linear];
   done = pending >= done ? 0u : done - unsigned(pending);
