@@ -24,7 +24,8 @@ __all__ = ["profile", "Profile", "Launch", "ArgTraffic", "SharedTraffic"]
 class _ProfArg(ctypes.Structure):  # ProfArg in cupaged_sim_profile.h
     _fields_ = [("lo", ctypes.c_ulonglong), ("hi", ctypes.c_ulonglong), ("bytes_read", ctypes.c_ulonglong),
                 ("bytes_written", ctypes.c_ulonglong), ("sectors_read", ctypes.c_ulonglong),
-                ("sectors_written", ctypes.c_ulonglong), ("seen_read", ctypes.c_void_p),
+                ("sectors_written", ctypes.c_ulonglong), ("useful_read", ctypes.c_ulonglong),
+                ("useful_written", ctypes.c_ulonglong), ("seen_read", ctypes.c_void_p),
                 ("seen_written", ctypes.c_void_p)]
 
 
@@ -44,12 +45,14 @@ class ArgTraffic:
     unique_bytes_written: int
     sectors_read: int
     sectors_written: int
+    useful_bytes: int = dataclasses.field(default=0, repr=False)  # distinct bytes per warp-level instruction
 
     @property
     def sector_efficiency(self) -> float:
-        """Bytes requested / bytes of the 32-byte sectors touched (1.0: perfectly coalesced)."""
+        """Bytes requested / bytes of the 32-byte sectors touched, ≤ 1 (1.0: perfectly coalesced);
+        bytes several lanes of one instruction read (a broadcast) count once."""
         sectors = self.sectors_read + self.sectors_written
-        return (self.bytes_read + self.bytes_written) / (32 * sectors) if sectors else 1.0
+        return self.useful_bytes / (32 * sectors) if sectors else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +116,7 @@ class LaunchProbe:
             lo, hi = buf.valid
             seen = np.zeros((2, hi - lo), np.uint8)
             self._keep.append(seen)
-            rows.append(_ProfArg(lo, hi, 0, 0, 0, 0, seen[0].ctypes.data, seen[1].ctypes.data))
+            rows.append(_ProfArg(lo, hi, 0, 0, 0, 0, 0, 0, seen[0].ctypes.data, seen[1].ctypes.data))
             self.names.append(names[i])
         self._args = (_ProfArg * max(1, len(rows)))(*rows)
         self.struct = _ProfLaunch(len(rows), self._args, 0, 0, 0, 0)
@@ -123,7 +126,8 @@ class LaunchProbe:
         for k, name in enumerate(self.names):
             a, seen = self._args[k], self._keep[k]
             args[name] = ArgTraffic(a.bytes_read, a.bytes_written, int(np.count_nonzero(seen[0])),
-                                    int(np.count_nonzero(seen[1])), a.sectors_read, a.sectors_written)
+                                    int(np.count_nonzero(seen[1])), a.sectors_read, a.sectors_written,
+                                    a.useful_read + a.useful_written)
         s = self.struct
         launch = Launch(kernel, tuple(grid), tuple(block), int(shared_mem), args,
                         SharedTraffic(s.wavefronts, s.ideal_wavefronts), s.cp_async_bytes, s.mma_flops)

@@ -14,6 +14,7 @@
 struct ProfArg {  // mirrored by ctypes in cupaged/sim/_profile.py
   unsigned long long lo, hi;          // the argument's memory
   unsigned long long bytes_read, bytes_written, sectors_read, sectors_written;
+  unsigned long long useful_read, useful_written;  // distinct bytes per warp-level instruction, summed
   unsigned char* seen_read;           // one byte per byte of [lo, hi): touched by a read / write
   unsigned char* seen_written;
 };
@@ -36,13 +37,13 @@ struct ProfAccess {
 static std::vector<ProfAccess> g_prof_log;
 static unsigned g_prof_epoch[kMaxThreads];  // scheduling points each thread has passed in this block
 struct ProfOcc { const void* site; unsigned epoch, count; };
-static ProfOcc g_prof_occ[kMaxThreads][64];  // per thread: occurrences of a site in the current epoch
+static ProfOcc g_prof_occ[kMaxThreads][256];  // per thread: occurrences of a site in the current epoch
 
 __attribute__((no_sanitize_thread)) static unsigned prof_occurrence(int t, const void* site) {
   unsigned e = g_prof_epoch[t];
-  unsigned h = unsigned(reinterpret_cast<uintptr_t>(site) >> 2) & 63u;
-  for (int k = 0; k < 64; ++k) {
-    ProfOcc& o = g_prof_occ[t][(h + k) & 63u];
+  unsigned h = unsigned(reinterpret_cast<uintptr_t>(site) >> 2) & 255u;
+  for (int k = 0; k < 256; ++k) {
+    ProfOcc& o = g_prof_occ[t][(h + k) & 255u];
     if (o.epoch != e + 1) { o = ProfOcc{site, e + 1, 0}; return o.count++; }  // a free slot (epoch stamps are +1)
     if (o.site == site) return o.count++;
   }
@@ -62,6 +63,19 @@ __attribute__((no_sanitize_thread)) static void prof_record(uintptr_t a, unsigne
     ProfArg& p = g_prof->args[arg];
     (write ? p.bytes_written : p.bytes_read) += n;
     memset((write ? p.seen_written : p.seen_read) + (a - p.lo), 1, n);
+  }
+  // g++ splits a 16-byte vector access (float4, uint4) into narrower ones at separate sites, which
+  // the GPU does in one instruction: a lane's accesses that continue its previous one within one
+  // aligned 16-byte block are merged into it (a fiber runs alone between scheduling points, so its
+  // previous access is the log's last entry).
+  if (!g_prof_log.empty()) {
+    ProfAccess& last = g_prof_log.back();
+    if (last.lane == t->lane && last.warp == unsigned(t->warp) && last.epoch == g_prof_epoch[t->linear] &&
+        last.write == write && last.arg == arg && last.addr + last.size == a && last.size + n <= 16 &&
+        (a & ~15ull) == (last.addr & ~15ull)) {
+      last.size = (unsigned char)(last.size + n);
+      return;
+    }
   }
   g_prof_log.push_back(ProfAccess{site, a, unsigned(t->warp), g_prof_epoch[t->linear], prof_occurrence(t->linear, site),
                                   (unsigned char)t->lane, (unsigned char)n, (unsigned char)write, (signed char)arg});
@@ -112,13 +126,18 @@ __attribute__((no_sanitize_thread)) static void prof_block_end() {
     if (log[i].arg < 0) {
       prof_shared(&log[i], j - i);
     } else {
-      std::vector<unsigned long long> sectors;
-      for (size_t k = i; k < j; ++k)
+      std::vector<unsigned long long> sectors, bytes;
+      for (size_t k = i; k < j; ++k) {
         for (unsigned long long s = log[k].addr >> 5; s <= (log[k].addr + log[k].size - 1) >> 5; ++s) sectors.push_back(s);
+        for (unsigned b = 0; b < log[k].size; ++b) bytes.push_back(log[k].addr + b);
+      }
       std::sort(sectors.begin(), sectors.end());
+      std::sort(bytes.begin(), bytes.end());
       unsigned long long distinct = std::unique(sectors.begin(), sectors.end()) - sectors.begin();
+      unsigned long long useful = std::unique(bytes.begin(), bytes.end()) - bytes.begin();
       ProfArg& p = g_prof->args[log[i].arg];
       (log[i].write ? p.sectors_written : p.sectors_read) += distinct;
+      (log[i].write ? p.useful_written : p.useful_read) += useful;
     }
     i = j;
   }
