@@ -21,6 +21,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 #include <algorithm>
+#include <unordered_map>
 #include <vector>
 #if !defined(__x86_64__)
 #include <ucontext.h>

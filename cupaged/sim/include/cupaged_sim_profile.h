@@ -29,6 +29,7 @@ static ProfLaunch* g_prof;  // the profiled launch, or null
 #if defined(CUPAGED_SIM_PROFILE)
 struct ProfAccess {
   const void* site;
+  const void* tail;  // the site of the last access merged into this one
   unsigned long long addr;
   unsigned warp, epoch, occ;
   unsigned char lane, size, write;
@@ -36,18 +37,11 @@ struct ProfAccess {
 };
 static std::vector<ProfAccess> g_prof_log;
 static unsigned g_prof_epoch[kMaxThreads];  // scheduling points each thread has passed in this block
-struct ProfOcc { const void* site; unsigned epoch, count; };
-static ProfOcc g_prof_occ[kMaxThreads][256];  // per thread: occurrences of a site in the current epoch
+// per thread: occurrences of each site since its last scheduling point (cleared at each one)
+static std::unordered_map<const void*, unsigned> g_prof_occ[kMaxThreads];
 
 __attribute__((no_sanitize_thread)) static unsigned prof_occurrence(int t, const void* site) {
-  unsigned e = g_prof_epoch[t];
-  unsigned h = unsigned(reinterpret_cast<uintptr_t>(site) >> 2) & 255u;
-  for (int k = 0; k < 256; ++k) {
-    ProfOcc& o = g_prof_occ[t][(h + k) & 255u];
-    if (o.epoch != e + 1) { o = ProfOcc{site, e + 1, 0}; return o.count++; }  // a free slot (epoch stamps are +1)
-    if (o.site == site) return o.count++;
-  }
-  return 0;
+  return g_prof_occ[t][site]++;
 }
 
 __attribute__((no_sanitize_thread)) static void prof_record(uintptr_t a, unsigned n, bool write, const void* site) {
@@ -64,24 +58,30 @@ __attribute__((no_sanitize_thread)) static void prof_record(uintptr_t a, unsigne
     (write ? p.bytes_written : p.bytes_read) += n;
     memset((write ? p.seen_written : p.seen_read) + (a - p.lo), 1, n);
   }
-  // g++ splits a 16-byte vector access (float4, uint4) into narrower ones at separate sites, which
-  // the GPU does in one instruction: a lane's accesses that continue its previous one within one
-  // aligned 16-byte block are merged into it (a fiber runs alone between scheduling points, so its
-  // previous access is the log's last entry).
+  // g++ splits a 16-byte vector access (float4, uint4) into narrower ones at consecutive sites,
+  // which the GPU does in one instruction: a lane's access at another site that continues its
+  // previous one within one aligned 16-byte block is merged into it (a fiber runs alone between
+  // scheduling points, so its previous access is the log's last entry). The same site again is a
+  // loop's next iteration: a separate instruction, as on the GPU.
   if (!g_prof_log.empty()) {
     ProfAccess& last = g_prof_log.back();
     if (last.lane == t->lane && last.warp == unsigned(t->warp) && last.epoch == g_prof_epoch[t->linear] &&
+        last.site != site && last.tail != site &&
         last.write == write && last.arg == arg && last.addr + last.size == a && last.size + n <= 16 &&
         (a & ~15ull) == (last.addr & ~15ull)) {
       last.size = (unsigned char)(last.size + n);
+      last.tail = site;
       return;
     }
   }
-  g_prof_log.push_back(ProfAccess{site, a, unsigned(t->warp), g_prof_epoch[t->linear], prof_occurrence(t->linear, site),
+  g_prof_log.push_back(ProfAccess{site, site, a, unsigned(t->warp), g_prof_epoch[t->linear], prof_occurrence(t->linear, site),
                                   (unsigned char)t->lane, (unsigned char)n, (unsigned char)write, (signed char)arg});
 }
 
-static void prof_sched_point(SimThread* t) { ++g_prof_epoch[t->linear]; }
+static void prof_sched_point(SimThread* t) {
+  ++g_prof_epoch[t->linear];
+  g_prof_occ[t->linear].clear();
+}
 
 // Shared memory: 32 banks of 4 bytes; a phase of lanes costs the largest number of distinct words
 // one bank is asked for (a word read by several lanes is a broadcast). Accesses of 8 bytes go in 2
@@ -145,8 +145,10 @@ __attribute__((no_sanitize_thread)) static void prof_block_end() {
 }
 
 static void prof_block_start(int nthreads) {
-  for (int i = 0; i < nthreads; ++i) g_prof_epoch[i] = 0;
-  memset(g_prof_occ, 0, sizeof g_prof_occ);
+  for (int i = 0; i < nthreads; ++i) {
+    g_prof_epoch[i] = 0;
+    g_prof_occ[i].clear();
+  }
 }
 
 #define CUPAGED_SIM_TSAN(n)                                                                                  \
