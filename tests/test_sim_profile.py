@@ -1,0 +1,287 @@
+"""The sim's memory-traffic profiler (``cupaged.sim.profile()``) on kernels whose counts follow by hand.
+
+Counted per launch (``prof.launches``, in order) and per pointer parameter (by its C++ name): bytes
+requested by the lanes' loads / stores (repeats included) and distinct bytes touched; ``sectors_*``:
+per *warp-level instruction* (one executed occurrence of one instruction site by a warp's lanes;
+loop iterations are separate instructions even where a lane's addresses continue, a float4 access is
+one) the distinct 32-byte sectors its lanes' bytes fall in, summed; ``sector_efficiency`` = bytes /
+(32 * sectors), <= 1 (a byte several lanes of one instruction read counts once). Shared memory: 32
+banks of 4 bytes; an access of <= 4 bytes per lane costs the largest number of distinct words one
+bank is asked for (a word shared by lanes is a broadcast), 16-byte accesses go in 4 phases of 8
+lanes; ideal 1 per access (phase), conflicts = wavefronts - ideal; ``ldmatrix`` costs 1 per 8x8
+matrix whose 8 rows (16 bytes = 4 banks) fall in distinct bank groups. ``cp_async_bytes``: bytes
+copied by cp.async; ``mma_flops``: 2*M*N*K per warp-level mma.sync.
+
+Expected numbers are derived in the comments from these definitions, not read off the profiler.
+Arrays are multiples of 128 bytes (the sim ends each at a page boundary, so it starts 128-byte
+aligned); loads the compiler could hoist out of a loop use a run-time stride of 0. Each kernel also
+compiles under NVRTC (sm_80) and checks its results, unprofiled and profiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+
+from cupaged import sim
+
+SRC = r"""
+extern "C" __global__ void copy_f32(const float* src, float* dst, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = src[i];
+}
+extern "C" __global__ void read_stride2(const float* src, float* dst, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = src[2 * i];
+}
+
+// One block of 32 x 32 threads; warp w = the threads with threadIdx.y == w. Rows of ld = 32 or 33 words.
+__device__ void transpose_via(float* tile, int ld, const float* in, float* out) {
+  const int x = threadIdx.x, y = threadIdx.y;
+  tile[y * ld + x] = in[32 * y + x];  // row-wise
+  __syncthreads();
+  out[32 * y + x] = tile[x * ld + y];  // column-wise
+}
+extern "C" __global__ void transpose_naive(const float* in, float* out) {
+  __shared__ float tile[32][32];
+  transpose_via(&tile[0][0], 32, in, out);
+}
+extern "C" __global__ void transpose_padded(const float* in, float* out) {
+  __shared__ float tile[32][33];
+  transpose_via(&tile[0][0], 33, in, out);
+}
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// 64 threads, tiles of 256 floats: thread t copies floats 4t..4t+3 of tile kt+1 (16 bytes) into one
+// stage while it sums those of tile kt from the other; each thread reads only its own copies.
+__device__ __forceinline__ void cp_async16_commit(float* dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+extern "C" __global__ void cp_async_sum(const float* src, float* dst, int tiles) {
+  alignas(16) __shared__ float stage[2][256];
+  const int t = threadIdx.x;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  cp_async16_commit(&stage[0][4 * t], src + 4 * t);
+  for (int kt = 0; kt < tiles; ++kt) {
+    if (kt + 1 < tiles) {
+      cp_async16_commit(&stage[(kt + 1) & 1][4 * t], src + 256 * (kt + 1) + 4 * t);
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // tile kt landed, kt + 1 may be in flight
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+    const float4 v = *reinterpret_cast<const float4*>(&stage[kt & 1][4 * t]);
+    acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+  }
+  reinterpret_cast<float4*>(dst)[t] = acc;  // one 16-byte store per thread
+}
+// One warp re-reads src[0..31] `reps` times (step is 0 at run time: the load stays in the loop).
+extern "C" __global__ void reread_row(const float* src, float* dst, int reps, int step) {
+  const int lane = threadIdx.x;
+  float acc = 0.f;
+  for (int r = 0; r < reps; ++r) acc += src[lane + r * step];
+  dst[lane] = acc;
+}
+// Thread t sums its own row src[len t ..] (len <= 4), one float per loop iteration, then writes j to
+// word len t + j of shared, one per iteration (separate loops: each lane's accesses are contiguous).
+extern "C" __global__ void row_per_thread(const float* src, float* dst, int len) {
+  __shared__ float rows[32 * 4];
+  float acc = 0.f;
+  for (int j = 0; j < len; ++j) acc += src[len * threadIdx.x + j];
+  for (int j = 0; j < len; ++j) rows[len * threadIdx.x + j] = float(j);
+  __syncwarp();
+  dst[threadIdx.x] = acc + rows[threadIdx.x];
+}
+extern "C" __global__ void broadcast(const float* src, float* dst) { dst[threadIdx.x] = src[0]; }
+// Lane l of warp w: A fragment a[4i..4i+3], B fragment b[2i..2i+1], D d[4i..4i+3], i = 32w + l.
+extern "C" __global__ void mma_once(const unsigned* a, const unsigned* b, float* d) {
+  const int i = threadIdx.x;
+  float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+               : "r"(a[4 * i]), "r"(a[4 * i + 1]), "r"(a[4 * i + 2]), "r"(a[4 * i + 3]),
+                 "r"(b[2 * i]), "r"(b[2 * i + 1]));
+  d[4 * i] = d0; d[4 * i + 1] = d1; d[4 * i + 2] = d2; d[4 * i + 3] = d3;
+}
+// One warp: fills 256 shared words (word k = k), then one ldmatrix.x1 whose row r starts at word
+// r * stride (lanes 8..31 repeat lanes 0..7's addresses; .x1 reads only those).
+extern "C" __global__ void ldmatrix_rows(unsigned* out, int stride) {
+  alignas(16) __shared__ unsigned buf[256];
+  const int lane = threadIdx.x;
+  for (int j = 0; j < 8; ++j) buf[lane + 32 * j] = lane + 32 * j;
+  __syncwarp();
+  unsigned r;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n"
+               : "=r"(r) : "r"(smem_addr(&buf[(lane % 8) * stride])) : "memory");
+  out[lane] = r;
+}
+"""
+# 300 load sites in one loop body with no scheduling point (as in a big fully unrolled kernel)
+SRC += (
+    'extern "C" __global__ void many_sites(const float* src, float* dst, int reps, int step) {\n'
+    "  const int lane = threadIdx.x;\n  float acc = 0.f;\n  for (int r = 0; r < reps; ++r) {\n"
+    + "".join(f"    acc += src[lane + {32 * j} + r * step];\n" for j in range(300))
+    + "  }\n  dst[lane] = acc;\n}\n")
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(name):
+    return sim.RawModule(code=SRC, options=("-std=c++17",)).get_function(name)
+
+
+def f32(n, start=0):
+    return sim.asarray(np.arange(start, start + n, dtype=np.float32))
+
+
+def profiled(name, grid, block, args, out, want):
+    """Launches plain, then profiled, checking ``out == want`` after each; the profiled launch's record."""
+    for ctx in (contextlib.nullcontext(), sim.profile()):
+        out[...] = 0
+        with ctx as prof:
+            kernel(name)(grid, block, args)
+        np.testing.assert_array_equal(out, want)
+    assert len(prof.launches) == 1
+    return prof.launches[0]
+
+
+def test_sources_compile_under_nvrtc():
+    from cupaged._nvrtc import compile_cubin
+
+    assert compile_cubin(SRC, arch="sm_80", options=("-std=c++17",)).cubin
+
+
+def test_coalesced_copy():
+    src, dst = f32(4096), sim.zeros(4096, np.float32)
+    rec = profiled("copy_f32", (32,), (128,), (src, dst, np.int32(4096)), dst, src)
+    assert set(rec.args) == {"src", "dst"}  # pointer parameters only, not n
+    src, dst = rec.args["src"], rec.args["dst"]
+    # 4096 threads x 4 bytes = 16384 bytes, each once; 128 warps x 128 contiguous aligned bytes = 4 sectors
+    assert (src.bytes_read, src.unique_bytes_read, src.sectors_read) == (16384, 16384, 512)
+    assert (src.bytes_written, src.unique_bytes_written, src.sectors_written) == (0, 0, 0)
+    assert (dst.bytes_written, dst.unique_bytes_written, dst.sectors_written) == (16384, 16384, 512)
+    assert (dst.bytes_read, dst.unique_bytes_read, dst.sectors_read) == (0, 0, 0)
+    assert src.sector_efficiency == 1.0 and dst.sector_efficiency == 1.0  # 16384 / (32 * 512)
+    assert (rec.shared.wavefronts, rec.shared.ideal_wavefronts, rec.shared.bank_conflicts) == (0, 0, 0)
+    assert rec.cp_async_bytes == 0 and rec.mma_flops == 0
+
+
+def test_stride2_read_uses_half_of_each_sector():
+    src, dst = f32(8192), sim.zeros(4096, np.float32)
+    a = profiled("read_stride2", (32,), (128,), (src, dst, np.int32(4096)), dst, src[::2]).args["src"]
+    # 4096 x 4 bytes; a warp's lanes read every other float of 256 bytes: 8 sectors, x 128 warps
+    assert (a.bytes_read, a.unique_bytes_read, a.sectors_read) == (16384, 16384, 1024)
+    assert a.sector_efficiency == 0.5  # 16384 / (32 * 1024)
+
+
+def test_transpose_bank_conflicts_and_padding():
+    a, out = f32(1024).reshape(32, 32), sim.zeros((32, 32), np.float32)
+    naive, padded = (profiled(k, (1,), (32, 32), (a, out), out, a.T) for k in ("transpose_naive", "transpose_padded"))
+    # Writes tile[y][x]: a warp (fixed y) writes 32 consecutive words, banks 0..31: 1 wavefront x 32 warps.
+    # Reads tile[x][y] unpadded: word 32x + y, every lane in bank y, 32 distinct words: 32 wavefronts
+    # x 32 warps = 1024. Total 32 + 1024 = 1056, ideal 32 + 32 = 64, conflicts 992 (31 per column read).
+    assert (naive.shared.wavefronts, naive.shared.ideal_wavefronts, naive.shared.bank_conflicts) == (1056, 64, 992)
+    # Padded: word 33x + y, bank (x + y) % 32, distinct over the lanes: 1 per read, 1 per write.
+    assert (padded.shared.wavefronts, padded.shared.ideal_wavefronts, padded.shared.bank_conflicts) == (64, 64, 0)
+    for rec in (naive, padded):  # global side: 32 warps x 4 sectors, both ways
+        assert (rec.args["in"].bytes_read, rec.args["in"].sectors_read) == (4096, 128)
+        assert (rec.args["out"].bytes_written, rec.args["out"].sectors_written) == (4096, 128)
+
+
+def test_cp_async_double_buffer():
+    src, dst = f32(1024), sim.zeros(256, np.float32)
+    rec = profiled("cp_async_sum", (1,), (64,), (src, dst, np.int32(4)), dst, src.reshape(4, 256).sum(axis=0))
+    assert rec.cp_async_bytes == 4096  # 4 tiles x 64 threads x 16 bytes
+    a = rec.args["src"]  # cp.async reads global memory: each float once, 2 warps x 512 bytes = 16 sectors per tile
+    assert (a.bytes_read, a.unique_bytes_read, a.sectors_read) == (4096, 4096, 128)
+    # one float4 store per thread: 64 x 16 bytes; a warp's 512 contiguous bytes are 16 sectors, x 2 warps
+    assert (rec.args["dst"].bytes_written, rec.args["dst"].sectors_written) == (1024, 32)
+    assert rec.shared.bank_conflicts == 0  # 16-byte lanes: each phase of 8 lanes covers 128 contiguous bytes
+
+
+def test_rereading_one_row():
+    src, dst = f32(32, start=1), sim.zeros(32, np.float32)
+    a = profiled("reread_row", (1,), (32,), (src, dst, np.int32(10), np.int32(0)), dst, 10 * src).args["src"]
+    # 10 warp-level loads of the same 128 aligned bytes: 1280 bytes, 128 unique, 10 x 4 sectors
+    assert (a.bytes_read, a.unique_bytes_read, a.sectors_read) == (1280, 128, 40)
+    assert a.bytes_read == 10 * a.unique_bytes_read and a.sector_efficiency <= 1.0
+    assert a.sector_efficiency == 1.0  # 1280 / (32 * 40): every load uses its 4 sectors fully
+
+
+def test_many_load_sites_in_a_loop():
+    src, dst = sim.asarray(np.ones(300 * 32, np.float32)), sim.zeros(32, np.float32)
+    a = profiled("many_sites", (1,), (32,), (src, dst, np.int32(2), np.int32(0)), dst, np.full(32, 600)).args["src"]
+    # 2 iterations x 300 sites = 600 warp-level loads of 128 aligned bytes (4 sectors) each
+    assert (a.bytes_read, a.unique_bytes_read, a.sectors_read) == (2 * 300 * 128, 300 * 128, 2 * 300 * 4)
+
+
+def test_row_per_thread_loop_is_uncoalesced_and_conflicted():
+    src, dst = f32(128), sim.zeros(32, np.float32)
+    want = src.reshape(32, 4).sum(axis=1) + np.arange(32) % 4
+    rec = profiled("row_per_thread", (1,), (32,), (src, dst, np.int32(4)), dst, want)
+    a = rec.args["src"]
+    # 4 loop iterations = 4 warp-level loads; in each the lanes read 4 bytes 16 bytes apart, spanning
+    # 512 bytes: 16 sectors. 4 x 16 = 64 sectors for 512 bytes: efficiency 512 / (32 * 64) = 0.25.
+    assert (a.bytes_read, a.unique_bytes_read, a.sectors_read) == (512, 512, 64)
+    assert a.sector_efficiency == 0.25
+    # 4 warp-level 4-byte stores to word 4t + j: lanes t, t+8, t+16, t+24 share a bank with 4 distinct
+    # words: 4 wavefronts each (16, ideal 4); then rows[t], words 0..31: 1. Conflicts 12.
+    assert (rec.shared.wavefronts, rec.shared.ideal_wavefronts, rec.shared.bank_conflicts) == (17, 5, 12)
+
+
+def test_broadcast_read():
+    src, dst = f32(32, start=7), sim.zeros(128, np.float32)
+    a = profiled("broadcast", (1,), (128,), (src, dst), dst, np.full(128, 7)).args["src"]
+    # 128 threads x 4 bytes requested, all of src[0]; each of the 4 warps' loads touches 1 sector
+    assert (a.bytes_read, a.unique_bytes_read, a.sectors_read) == (512, 4, 4)
+    assert a.unique_bytes_read < a.bytes_read
+    assert a.sector_efficiency <= 1.0  # the documented bound, also for a broadcast: it holds only if a
+    assert a.sector_efficiency == 0.125  # byte read by several lanes of one load counts once: 4 x 4 / (32 x 4)
+
+
+def test_mma_flops():
+    one, two = 0x3C003C00, 0x40004000  # two fp16 1.0 / 2.0 per register
+    a = sim.asarray(np.full(64 * 4, one, np.uint32))
+    b = sim.asarray(np.repeat(np.array([one, two], np.uint32), 32 * 2))  # warp 0: B = 1, warp 1: B = 2
+    d = sim.zeros(64 * 4, np.float32)
+    rec = profiled("mma_once", (1,), (64,), (a, b, d), d, np.repeat([16, 32], 128))  # sums of 16 products
+    assert rec.mma_flops == 2 * 4096  # 2 warps x 2 * 16 * 8 * 16
+    assert rec.args["a"].bytes_read == 1024 and rec.args["b"].bytes_read == 512  # 64 lanes x 4 / 2 registers
+    assert rec.args["d"].bytes_written == 1024 and rec.cp_async_bytes == 0
+
+
+def test_ldmatrix_wavefronts():
+    out, lane = sim.zeros(32, np.uint32), np.arange(32)
+    for stride, ldm_wavefronts in ((4, 1), (32, 8)):
+        # lane l holds row l / 4, halves 2(l % 4), 2(l % 4) + 1: word stride * (l / 4) + l % 4
+        want = stride * (lane // 4) + lane % 4
+        sh = profiled("ldmatrix_rows", (1,), (32,), (out, np.int32(stride)), out, want).shared
+        # fill: 8 stores of 32 consecutive words, 1 wavefront each. ldmatrix: rows 16 bytes apart
+        # (stride 4 words) cover bank groups 0..7: 1; rows 128 bytes apart all sit in banks 0..3,
+        # 8 distinct words each: 8.
+        assert (sh.wavefronts, sh.ideal_wavefronts) == (8 + ldm_wavefronts, 8 + 1)
+        assert sh.bank_conflicts == ldm_wavefronts - 1
+
+
+def test_launch_records():
+    src, dst = f32(4096), sim.zeros(4096, np.float32)
+    a, out = f32(1024).reshape(32, 32), sim.zeros((32, 32), np.float32)
+    copy = functools.partial(kernel("copy_f32"), (32,), (128,), (src, dst, np.int32(4096)))
+    copy()  # before the block: not recorded
+    with sim.profile() as empty:
+        pass
+    assert list(empty.launches) == []
+    with sim.profile() as prof:
+        copy(shared_mem=512)
+        kernel("broadcast")((1,), (128,), (src, dst))
+        kernel("transpose_padded")((1,), (32, 32), (a, out))
+    copy()  # after the block: not recorded
+    assert len(prof.launches) == 3 and list(empty.launches) == []
+    first, second, third = prof.launches
+    assert (first.kernel, first.grid, first.block, first.shared_mem) == ("copy_f32", (32, 1, 1), (128, 1, 1), 512)
+    assert (second.kernel, second.grid, second.block, second.shared_mem) == ("broadcast", (1, 1, 1), (128, 1, 1), 0)
+    assert (third.kernel, third.grid, third.block) == ("transpose_padded", (1, 1, 1), (32, 32, 1))
+    assert first.args["src"].bytes_read == 16384 and second.args["src"].bytes_read == 512
