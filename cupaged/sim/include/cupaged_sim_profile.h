@@ -177,49 +177,33 @@ extern "C" __attribute__((visibility("hidden"), no_sanitize_thread, noinline)) v
   prof_record(reinterpret_cast<uintptr_t>(a), unsigned(n), true, __builtin_return_address(0));
 }
 // Atomics (the C++ runtime's, e.g. guards of function-local statics): done, not counted.
-#define CUPAGED_SIM_TSAN_ATOMIC(n, T)                                                                        \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_load(const volatile T* a, int) { \
-    return __atomic_load_n(a, __ATOMIC_SEQ_CST);                                                             \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) void __tsan_atomic##n##_store(volatile T* a, T v, int) { \
-    __atomic_store_n(a, v, __ATOMIC_SEQ_CST);                                                                \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_exchange(volatile T* a, T v, int) { \
-    return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST);                                                      \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_fetch_add(volatile T* a, T v, int) { \
-    return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);                                                       \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_fetch_sub(volatile T* a, T v, int) { \
-    return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST);                                                       \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_fetch_and(volatile T* a, T v, int) { \
-    return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST);                                                       \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_fetch_or(volatile T* a, T v, int) { \
-    return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST);                                                        \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_fetch_xor(volatile T* a, T v, int) { \
-    return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST);                                                       \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) int __tsan_atomic##n##_compare_exchange_strong( \
-      volatile T* a, T* c, T v, int, int) {                                                                  \
-    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                 \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) int __tsan_atomic##n##_compare_exchange_weak( \
-      volatile T* a, T* c, T v, int, int) {                                                                  \
-    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                 \
-  }                                                                                                          \
-  extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) T __tsan_atomic##n##_compare_exchange_val( \
-      volatile T* a, T c, T v, int, int) {                                                                   \
-    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                       \
-    return c;                                                                                                \
+#define CUPAGED_SIM_TSAN_FN(ret, name) extern "C" __attribute__((visibility("hidden"), no_sanitize_thread)) ret name
+#define CUPAGED_SIM_TSAN_RMW(n, T, op, builtin)                                        \
+  CUPAGED_SIM_TSAN_FN(T, __tsan_atomic##n##_##op)(volatile T * a, T v, int) {          \
+    return __atomic_##builtin(a, v, __ATOMIC_SEQ_CST);                                 \
+  }
+#define CUPAGED_SIM_TSAN_CAS(n, T, kind)                                               \
+  CUPAGED_SIM_TSAN_FN(int, __tsan_atomic##n##_compare_exchange_##kind)(volatile T * a, T * c, T v, int, int) { \
+    return __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
+  }
+#define CUPAGED_SIM_TSAN_ATOMIC(n, T)                                                  \
+  CUPAGED_SIM_TSAN_FN(T, __tsan_atomic##n##_load)(const volatile T* a, int) { return __atomic_load_n(a, __ATOMIC_SEQ_CST); } \
+  CUPAGED_SIM_TSAN_FN(void, __tsan_atomic##n##_store)(volatile T * a, T v, int) { __atomic_store_n(a, v, __ATOMIC_SEQ_CST); } \
+  CUPAGED_SIM_TSAN_RMW(n, T, exchange, exchange_n) CUPAGED_SIM_TSAN_RMW(n, T, fetch_add, fetch_add) \
+  CUPAGED_SIM_TSAN_RMW(n, T, fetch_sub, fetch_sub) CUPAGED_SIM_TSAN_RMW(n, T, fetch_and, fetch_and) \
+  CUPAGED_SIM_TSAN_RMW(n, T, fetch_or, fetch_or) CUPAGED_SIM_TSAN_RMW(n, T, fetch_xor, fetch_xor) \
+  CUPAGED_SIM_TSAN_CAS(n, T, strong) CUPAGED_SIM_TSAN_CAS(n, T, weak)                 \
+  CUPAGED_SIM_TSAN_FN(T, __tsan_atomic##n##_compare_exchange_val)(volatile T * a, T c, T v, int, int) { \
+    __atomic_compare_exchange_n(a, &c, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);  \
+    return c;                                                                          \
   }
 CUPAGED_SIM_TSAN_ATOMIC(8, unsigned char)
 CUPAGED_SIM_TSAN_ATOMIC(16, unsigned short)
 CUPAGED_SIM_TSAN_ATOMIC(32, unsigned)
 CUPAGED_SIM_TSAN_ATOMIC(64, unsigned long long)
 #undef CUPAGED_SIM_TSAN_ATOMIC
+#undef CUPAGED_SIM_TSAN_CAS
+#undef CUPAGED_SIM_TSAN_RMW
 extern "C" __attribute__((visibility("hidden"))) void __tsan_atomic_thread_fence(int) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 extern "C" __attribute__((visibility("hidden"))) void __tsan_atomic_signal_fence(int) {}
 extern "C" __attribute__((visibility("hidden"))) void __tsan_func_entry(void*) {}
