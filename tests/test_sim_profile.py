@@ -24,6 +24,7 @@ import contextlib
 import functools
 
 import numpy as np
+import pytest
 
 from cupaged import sim
 
@@ -285,3 +286,32 @@ def test_launch_records():
     assert (second.kernel, second.grid, second.block, second.shared_mem) == ("broadcast", (1, 1, 1), (128, 1, 1), 0)
     assert (third.kernel, third.grid, third.block) == ("transpose_padded", (1, 1, 1), (32, 32, 1))
     assert first.args["src"].bytes_read == 16384 and second.args["src"].bytes_read == 512
+
+
+INFLIGHT = r"""
+// Each thread issues `loads` independent float loads before the barrier that consumes them.
+extern "C" __global__ void loads_before_barrier(const float* src, float* dst, int loads, int step) {
+  float acc = 0.f;
+  for (int k = 0; k < loads; ++k) acc += src[threadIdx.x + k * step];
+  __syncthreads();
+  dst[threadIdx.x] = acc;
+}
+"""
+
+
+@pytest.mark.parametrize("loads, per_thread", [(4, 16), (12, 32)])
+def test_bytes_in_flight(loads, per_thread):
+    """Plain loads count from issue to the thread's next scheduling point, at most 8 per lane; a
+    CTA's figure sums its threads' peaks: 128 threads x 4 x 4 B, or x 8 (capped) x 4 B."""
+    src, dst = f32(128 * 12), sim.zeros(128, np.float32)
+    with sim.profile() as prof:
+        sim.RawModule(code=INFLIGHT).get_function("loads_before_barrier")((2,), (128,), (src, dst, np.int32(loads),
+                                                                                        np.int32(128)))
+    assert prof.launches[0].max_inflight_bytes_per_cta == 128 * per_thread
+
+
+def test_cp_async_double_buffer_keeps_a_stage_in_flight():
+    src, dst = f32(1024), sim.zeros(256, np.float32)
+    rec = profiled("cp_async_sum", (1,), (64,), (src, dst, np.int32(4)), dst, src.reshape(4, 256).sum(axis=0))
+    # two committed groups of 16 bytes per thread before the first wait: 64 x 32 B, two stages
+    assert rec.max_inflight_bytes_per_cta == 64 * 32 >= 64 * 16

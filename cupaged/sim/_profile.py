@@ -6,8 +6,13 @@ a :class:`Launch` to ``prof.launches``. Per pointer argument: bytes requested, d
 32-byte sectors touched per warp-level instruction; shared-memory wavefronts against the ideal;
 ``cp.async`` bytes and ``mma.sync`` FLOPs counted by the emulations.
 
-A first step of the profiler: the H200 time model, ``prof.table()``, bytes in flight, per-line
-shared detail and struct-field pointers come with the rest of the profiler work.
+``max_inflight_bytes_per_cta``: the bytes a CTA keeps in flight, a documented approximation: a
+plain global load counts until its thread's next scheduling point (at most 8 loads per lane), a
+``cp.async`` group from its commit until a wait covers it; a CTA's figure is the sum of its
+threads' peaks (they run concurrently on a GPU), the largest over the grid's CTAs.
+
+A first step of the profiler: the H200 time model, ``prof.table()``, per-line shared detail and
+struct-field pointers come with the rest of the profiler work.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class _ProfArg(ctypes.Structure):  # ProfArg in cupaged_sim_profile.h
 class _ProfLaunch(ctypes.Structure):  # ProfLaunch in cupaged_sim_profile.h
     _fields_ = [("nargs", ctypes.c_int), ("args", ctypes.POINTER(_ProfArg)), ("wavefronts", ctypes.c_ulonglong),
                 ("ideal_wavefronts", ctypes.c_ulonglong), ("cp_async_bytes", ctypes.c_ulonglong),
-                ("mma_flops", ctypes.c_ulonglong)]
+                ("mma_flops", ctypes.c_ulonglong), ("max_inflight_bytes_per_cta", ctypes.c_ulonglong)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +84,7 @@ class Launch:
     shared: SharedTraffic
     cp_async_bytes: int
     mma_flops: int
+    max_inflight_bytes_per_cta: int
 
 
 class Profile:
@@ -119,7 +125,7 @@ class LaunchProbe:
             rows.append(_ProfArg(lo, hi, 0, 0, 0, 0, 0, 0, seen[0].ctypes.data, seen[1].ctypes.data))
             self.names.append(names[i])
         self._args = (_ProfArg * max(1, len(rows)))(*rows)
-        self.struct = _ProfLaunch(len(rows), self._args, 0, 0, 0, 0)
+        self.struct = _ProfLaunch(len(rows), self._args, 0, 0, 0, 0, 0)
 
     def record(self, kernel, grid, block, shared_mem) -> None:
         args = {}
@@ -130,6 +136,7 @@ class LaunchProbe:
                                     a.useful_read + a.useful_written)
         s = self.struct
         launch = Launch(kernel, tuple(grid), tuple(block), int(shared_mem), args,
-                        SharedTraffic(s.wavefronts, s.ideal_wavefronts), s.cp_async_bytes, s.mma_flops)
+                        SharedTraffic(s.wavefronts, s.ideal_wavefronts), s.cp_async_bytes, s.mma_flops,
+                        s.max_inflight_bytes_per_cta)
         for prof in _ACTIVE:
             prof.launches.append(launch)

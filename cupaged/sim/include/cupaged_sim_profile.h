@@ -21,7 +21,7 @@ struct ProfArg {  // mirrored by ctypes in cupaged/sim/_profile.py
 struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/_profile.py
   int nargs;
   ProfArg* args;
-  unsigned long long wavefronts, ideal_wavefronts, cp_async_bytes, mma_flops;
+  unsigned long long wavefronts, ideal_wavefronts, cp_async_bytes, mma_flops, max_inflight_bytes_per_cta;
 };
 
 static ProfLaunch* g_prof;  // the profiled launch, or null
@@ -40,9 +40,41 @@ static unsigned g_prof_epoch[kMaxThreads];  // scheduling points each thread has
 // per thread: occurrences of each site since its last scheduling point (cleared at each one)
 static std::unordered_map<const void*, unsigned> g_prof_occ[kMaxThreads];
 
+// Bytes in flight (a documented approximation): a thread's plain global loads count from issue to
+// its next scheduling point (at most 8 loads), its cp.async groups from commit until a wait covers
+// them. The threads of a CTA run concurrently on a GPU, one after another on the sim: a CTA's
+// figure is the sum of its threads' peaks, which does not depend on the sim's scheduling order.
+static unsigned long long g_prof_plain[kMaxThreads], g_prof_async[kMaxThreads], g_prof_peak[kMaxThreads];
+static unsigned g_prof_loads[kMaxThreads];
+static unsigned long long g_prof_open_group[kMaxThreads];           // cp.async bytes not yet committed
+static std::vector<unsigned long long> g_prof_groups[kMaxThreads];  // committed groups' bytes, oldest first
+
+static void prof_inflight_peak(int t) {
+  g_prof_peak[t] = std::max(g_prof_peak[t], g_prof_plain[t] + g_prof_async[t]);
+}
+static void prof_async_issue(unsigned bytes) { g_prof_open_group[g.cur->linear] += bytes; }
+static void prof_async_commit() {
+  int t = g.cur->linear;
+  g_prof_groups[t].push_back(g_prof_open_group[t]);
+  g_prof_async[t] += g_prof_open_group[t];
+  g_prof_open_group[t] = 0;
+  prof_inflight_peak(t);
+}
+static void prof_async_wait(unsigned long long pending) {
+  int t = g.cur->linear;
+  auto& q = g_prof_groups[t];
+  while (q.size() > pending) {
+    g_prof_async[t] -= q.front();
+    q.erase(q.begin());
+  }
+}
+
 __attribute__((no_sanitize_thread)) static unsigned prof_occurrence(int t, const void* site) {
   return g_prof_occ[t][site]++;
 }
+
+// Emulated instructions (cp.async) log with their asm statement's line as the site: odd values.
+static bool site_is_code(const void* site) { return !(reinterpret_cast<uintptr_t>(site) & 1u); }
 
 __attribute__((no_sanitize_thread)) static void prof_record(uintptr_t a, unsigned n, bool write, const void* site) {
   if (!g_prof || !g.cur) return;
@@ -57,6 +89,11 @@ __attribute__((no_sanitize_thread)) static void prof_record(uintptr_t a, unsigne
     ProfArg& p = g_prof->args[arg];
     (write ? p.bytes_written : p.bytes_read) += n;
     memset((write ? p.seen_written : p.seen_read) + (a - p.lo), 1, n);
+    if (!write && site_is_code(site) && g_prof_loads[t->linear] < 8) {
+      ++g_prof_loads[t->linear];
+      g_prof_plain[t->linear] += n;
+      prof_inflight_peak(t->linear);
+    }
   }
   // g++ splits a 16-byte vector access (float4, uint4) into narrower ones at consecutive sites,
   // which the GPU does in one instruction: a lane's access at another site that continues its
@@ -81,6 +118,8 @@ __attribute__((no_sanitize_thread)) static void prof_record(uintptr_t a, unsigne
 static void prof_sched_point(SimThread* t) {
   ++g_prof_epoch[t->linear];
   g_prof_occ[t->linear].clear();
+  g_prof_plain[t->linear] = 0;  // its loads have been used by now
+  g_prof_loads[t->linear] = 0;
 }
 
 // Shared memory: 32 banks of 4 bytes; a phase of lanes costs the largest number of distinct words
@@ -109,6 +148,9 @@ __attribute__((no_sanitize_thread)) static void prof_shared(const ProfAccess* a,
 // At the end of a block: group the log into warp-level instructions.
 __attribute__((no_sanitize_thread)) static void prof_block_end() {
   if (!g_prof) return;
+  unsigned long long cta = 0;
+  for (int i = 0; i < g.nthreads; ++i) cta += g_prof_peak[i];
+  g_prof->max_inflight_bytes_per_cta = std::max(g_prof->max_inflight_bytes_per_cta, cta);
   auto& log = g_prof_log;
   std::sort(log.begin(), log.end(), [](const ProfAccess& x, const ProfAccess& y) {
     if (x.warp != y.warp) return x.warp < y.warp;
@@ -148,6 +190,9 @@ static void prof_block_start(int nthreads) {
   for (int i = 0; i < nthreads; ++i) {
     g_prof_epoch[i] = 0;
     g_prof_occ[i].clear();
+    g_prof_plain[i] = g_prof_async[i] = g_prof_peak[i] = g_prof_open_group[i] = 0;
+    g_prof_loads[i] = 0;
+    g_prof_groups[i].clear();
   }
 }
 

@@ -175,6 +175,7 @@ inline void cp_async(unsigned long long dst, unsigned long long src, unsigned cp
   if (g_prof) {  // the copy is an access of the emulation's own: its site is the asm statement's line
     const void* site = reinterpret_cast<const void*>(uintptr_t(line) << 1 | 1u);
     g_prof->cp_async_bytes += cp_size;
+    prof_async_issue(cp_size);
     if (src_size > 0) prof_record(uintptr_t(src), unsigned(src_size), false, site);
     prof_record(uintptr_t(d), cp_size, true, site);
   }
@@ -182,9 +183,12 @@ inline void cp_async(unsigned long long dst, unsigned long long src, unsigned cp
   g_async[g.cur->linear].push_back(c);
   memset(d, g.poison, cp_size);  // until a wait covers it, the destination holds poison, as a racing read could see
 }
-inline void cp_async_commit() { ++g_async_committed[g.cur->linear]; }
+inline void cp_async_commit() {
+  ++g_async_committed[g.cur->linear];
+  CUPAGED_SIM_PROF(if (g_prof) prof_async_commit());
+}
 inline void cp_async_wait(unsigned long long pending) {
-  CUPAGED_SIM_PROF(prof_sched_point(g.cur));
+  CUPAGED_SIM_PROF(prof_sched_point(g.cur); if (g_prof) prof_async_wait(pending));
   auto& q = g_async[g.cur->linear];
   unsigned done = g_async_committed[g.cur->linear];
   done = pending >= done ? 0u : done - unsigned(pending);
