@@ -9,6 +9,7 @@ import pytest
 
 from cupaged import sim
 from cupaged.sim import _asm
+from cupaged.sim._ptx_base import split_commas
 
 
 def test_statement_sections_and_strings():
@@ -18,7 +19,7 @@ def test_statement_sections_and_strings():
     assert [s.strip() for s in sections] == ['"add.u32 %0, %1, " "%2;\\n"', '"=r"(a[f(1, 2)])', "", '"memory"']
     assert _asm._strings(sections[0]) == "add.u32 %0, %1, %2;\n"
     assert _asm._strings(r'"\x41\102\t\"q\""') == 'AB\t"q"'
-    assert _asm._split_commas(' "r"(f(a, b)), [n] "l"(p + 1)') == [' "r"(f(a, b))', ' [n] "l"(p + 1)']
+    assert split_commas(' "r"(f(a, b)), [n] "l"(p + 1)') == [' "r"(f(a, b))', ' [n] "l"(p + 1)']
 
 
 SRC = r"""

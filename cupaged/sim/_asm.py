@@ -19,6 +19,7 @@ import re
 
 from cupaged.sim._errors import SimCompileError
 from cupaged.sim._ptx import Operand, translate
+from cupaged.sim._ptx_base import split_commas, split_top
 
 __all__ = ["has_asm", "rewrite"]
 
@@ -108,62 +109,15 @@ def _statement(text: str, start: int) -> tuple[int, list[str]] | None:
     m = re.compile(r"\s*\(").match(text, i)
     if not m:
         return None
-    i, depth, sections, cur = m.end(), 1, [], []
-    while depth:
-        c = text[i]
-        if c == '"' or c == "'":
-            j = i + 1
-            while text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            cur.append(text[i:j + 1])
-            i = j + 1
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if not depth:
-                break
-        elif c == ":" and depth == 1:
-            sections.append("".join(cur))
-            cur = []
-            i += 1
-            continue
-        cur.append(c)
-        i += 1
-    sections.append("".join(cur))
-    m = re.compile(r"\s*;").match(text, i + 1)
-    return (m.end() if m else i + 1), sections
-
-
-def _split_commas(s: str) -> list[str]:
-    parts, depth, cur, i = [], 0, [], 0
-    while i < len(s):
-        c = s[i]
-        if c == '"':
-            j = i + 1
-            while s[j] != '"':
-                j += 2 if s[j] == "\\" else 1
-            cur.append(s[i:j + 1])
-            i = j + 1
-            continue
-        depth += c in "([{"
-        depth -= c in ")]}"
-        if c == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-        i += 1
-    if "".join(cur).strip():
-        parts.append("".join(cur))
-    return parts
+    sections, close = split_top(text, ":", m.end())  # up to the statement's closing parenthesis
+    m = re.compile(r"\s*;").match(text, close + 1)
+    return (m.end() if m else close + 1), sections
 
 
 def _bind(sections, where) -> tuple[list[Operand], list[str], list[str]]:
     """Operands of an extended asm, with the C++ before and after the instructions."""
-    outs = _split_commas(sections[1]) if len(sections) > 1 else []
-    ins = _split_commas(sections[2]) if len(sections) > 2 else []
+    outs = split_commas(sections[1]) if len(sections) > 1 else []
+    ins = split_commas(sections[2]) if len(sections) > 2 else []
     operands, pre, post = [], [], []
     for k, raw in enumerate(outs + ins):
         m = _OPERAND.match(raw)

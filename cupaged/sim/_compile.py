@@ -119,14 +119,15 @@ def compiler() -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _shim_text() -> str:
-    """Every file of the sim's include directory (subdirectories too), for the cache key."""
+    """For the cache key: every file of the sim's include directory (subdirectories too) and the
+    inline-asm rewriter's modules, whose translation is compiled into the objects."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [os.path.join(root, name) for root, dirs, files in sorted(os.walk(INCLUDE_DIR)) for name in sorted(files)]
+    paths += [os.path.join(here, name) for name in ("_asm.py", "_ptx.py", "_ptx_base.py", "_ptx_memory.py")]
     parts = []
-    for root, dirs, files in sorted(os.walk(INCLUDE_DIR)):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            with open(path, encoding="utf-8") as f:
-                parts.append(os.path.relpath(path, INCLUDE_DIR) + "\n" + f.read())
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            parts.append(os.path.relpath(path, here) + "\n" + f.read())
     return "\n".join(parts)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from cupaged.sim._ptx_base import INT_TYPES, REG_CTYPE, Operand, P, Statement, as_type, from_type, size_of, split_operands
+from cupaged.sim._ptx_base import INT_TYPES, REG_CTYPE, Operand, P, Statement, as_type, from_type, size_of, split_commas
 from cupaged.sim._ptx_memory import cp, cvta, ldst, matrix, mma, mov, sync
 
 __all__ = ["Operand", "translate", "EMULATED"]
@@ -77,7 +77,7 @@ def _instruction(st: Statement, s: str) -> str:
     opcode, _, rest = s.partition(" ")
     opcode = opcode.strip()
     st.opcode = opcode
-    ops = split_operands(rest.strip())
+    ops = split_commas(rest.strip())
     parts = opcode.split(".")
     handler = _HANDLERS.get(parts[0])
     body = handler(st, parts, ops) if handler else None

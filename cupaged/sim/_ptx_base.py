@@ -103,16 +103,40 @@ class Statement:
         return items
 
 
-def split_operands(s: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for c in s:
-        depth += c in "{["
-        depth -= c in "}]"
-        if c == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += c
-    return out + [cur] if cur.strip() else out
+def literal_end(s: str, i: int) -> int:
+    """The index after the string or character literal that starts at ``s[i]``."""
+    quote, j = s[i], i + 1
+    while s[j] != quote:
+        j += 2 if s[j] == "\\" else 1
+    return j + 1
+
+
+def split_top(s: str, sep: str, start: int = 0) -> tuple[list[str], int]:
+    """``s[start:]`` split at ``sep`` outside brackets and literals, up to the first unmatched
+    closing bracket or the end: (the parts, the index where the scan stopped)."""
+    parts, depth, i, mark = [], 0, start, start
+    while i < len(s):
+        c = s[i]
+        if c in "\"'":
+            i = literal_end(s, i)
+            continue
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        elif c == sep and depth == 0:
+            parts.append(s[mark:i])
+            mark = i + 1
+        i += 1
+    parts.append(s[mark:i])
+    return parts, i
+
+
+def split_commas(s: str) -> list[str]:
+    """Comma-separated items of ``s`` (asm operands, PTX operands); an empty or blank ``s`` has none."""
+    parts = split_top(s, ",")[0]
+    return parts[:-1] if not parts[-1].strip() else parts
 
 
