@@ -24,6 +24,11 @@ def _non_canonical(addr: int) -> bool:
     return 1 << 47 <= addr < (1 << 64) - (1 << 47)
 
 
+def _offset(addr: int, ptr: int) -> int:
+    """Byte offset of ``addr`` from an argument's pointer, as the kernel's int64 arithmetic wraps."""
+    return (addr - ptr + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 def fault_message(err, staged: "Staging", shared_mem: int) -> str:
     """The message of a memory fault recorded by the engine (``ErrorInfo`` in cupaged_sim_engine.h),
     whose own text (``invalid memory access``, maybe naming a stack overflow) serves when the
@@ -35,7 +40,7 @@ def fault_message(err, staged: "Staging", shared_mem: int) -> str:
         where = f"address {addr:#x}, in no argument's memory (another live guarded array's pad or slack?)"
         if found is not None:
             i, buf = found[0], staged.buffers[found[0]]
-            off = (addr - staged.ptr[i] + (1 << 63)) % (1 << 64) - (1 << 63)
+            off = _offset(addr, staged.ptr[i])
             span = f"{buf.valid[0] - staged.ptr[i]}..{buf.valid[1] - staged.ptr[i]}"
             where = f"{staged.names[i]} at byte offset {off} (its bytes span {span}; address {addr:#x})"
         return f"{err.msg.decode(errors='replace')}: {where}"
@@ -48,7 +53,7 @@ def fault_message(err, staged: "Staging", shared_mem: int) -> str:
     found = staged.locate(addr, (err.fault_base, err.fault_index), tuple(err.regs))
     if found is not None:
         i, inside = found
-        name, off = staged.names[i], (addr - staged.ptr[i] + (1 << 63)) % (1 << 64) - (1 << 63)  # as the kernel's int64
+        name, off = staged.names[i], _offset(addr, staged.ptr[i])
     if err.fault_decoded == 1 and not _non_canonical(addr):
         where = f" ({name} at byte offset {off})" if found else ""
         return (f"general-protection fault at address {addr:#x}{where}: a canonical address, so likely a "

@@ -57,10 +57,7 @@ __attribute__((no_sanitize_address, noinline)) static void out_of_bounds(const R
                                                                          bool write) {
   set_error(E_MEMORY, "out-of-bounds %s of %zu byte(s), %s an array", write ? "write" : "read", n,
             a < r->lo ? "before the start of" : "past the end of");
-  g.err.fault_addr = a;
-  g.err.fault_write = write;
-  g.err.fault_decoded = 3;
-  abort_fiber();
+  instrumented_fault(a, write);
 }
 
 extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void cupaged_sim_check_slow(uintptr_t a, size_t n,

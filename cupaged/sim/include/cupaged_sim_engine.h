@@ -325,6 +325,18 @@ static void release(int* ids, int n, bool warp = false) {
 
 static void settle_activemask(Warp* w);
 
+// Lanes of a warp (bit l of mask: thread base + l) done waiting at a warp collective: the current
+// thread goes on running, the others are queued.
+static void release_lanes(int base, unsigned mask) {
+  int ids[32], n = 0;
+  for (int l = 0; l < 32; ++l) {
+    if (!(mask >> l & 1u)) continue;
+    if (&g.threads[base + l] != g.cur) ids[n++] = base + l;
+    else g.threads[base + l].state = RUNNABLE;
+  }
+  release(ids, n, true);
+}
+
 // ---------------------------------------------------------------- barriers
 static void release_barrier() {
   SimThread* first = nullptr;
@@ -385,17 +397,11 @@ static void settle_activemask(Warp* w) {
     unsigned mask = 0;
     for (int l = 0; l < 32; ++l)
       if ((waiting >> l & 1u) && g.threads[base + l].am_site == site) mask |= 1u << l;
-    int ids[32], n = 0;
-    for (int l = 0; l < 32; ++l) {
-      if (!(mask >> l & 1u)) continue;
-      SimThread* t = &g.threads[base + l];
-      t->am_result = mask;
-      if (t != g.cur) ids[n++] = base + l;
-      else t->state = RUNNABLE;
-    }
+    for (int l = 0; l < 32; ++l)
+      if (mask >> l & 1u) g.threads[base + l].am_result = mask;
     w->am_waiting -= __builtin_popcount(mask);
     waiting &= ~mask;
-    release(ids, n, true);
+    release_lanes(base, mask);
   }
 }
 
@@ -451,7 +457,6 @@ static void finish_group(Warp* w, Group* gr) {
     }
     first = false;
   }
-  int ids[32], n = 0;
   unsigned segmask = unsigned(32 - gr->width) & 31u;
   for (int l = 0; l < 32; ++l) {
     if (!(gr->arrived >> l & 1u)) continue;
@@ -486,11 +491,9 @@ static void finish_group(Warp* w, Group* gr) {
     if (gr->kind <= SHFL_XOR) r = lane_value(w, gr, base + l, l, ok ? j : l);
     t->result = r;
     t->out_pred = pred;
-    if (t != g.cur) ids[n++] = base + l;
-    else t->state = RUNNABLE;
   }
   gr->active = false;
-  release(ids, n, true);
+  release_lanes(base, gr->arrived);
 }
 
 static bool group_complete(Warp* w, Group* gr) { return (gr->mask & w->live & ~gr->arrived) == 0; }
@@ -568,14 +571,8 @@ static void finish_warp_op(Warp* w, Group* gr) {
     abort_fiber();
   }
   gr->compute(base);
-  int ids[32], n = 0;
-  for (int l = 0; l < 32; ++l) {
-    SimThread* t = &g.threads[base + l];
-    if (t != g.cur) ids[n++] = base + l;
-    else t->state = RUNNABLE;
-  }
   gr->active = false;
-  release(ids, n, true);
+  release_lanes(base, 0xFFFFFFFFu);
 }
 
 static void thread_exit() {
@@ -625,6 +622,14 @@ static void report_deadlock() {
 
 // ---------------------------------------------------------------- shared memory
 // ---------------------------------------------------------------- instrumentation
+// A fault found by instrumentation (alignment, bounds) at address a, after set_error: Python adds
+// whose memory a is (fault_decoded 3).
+[[noreturn]] __attribute__((no_sanitize_address)) static void instrumented_fault(unsigned long long a, bool write) {
+  g.err.fault_addr = a;
+  g.err.fault_write = write;
+  g.err.fault_decoded = 3;
+  abort_fiber();
+}
 #include "cupaged_sim_bounds.h"
 
 // The module is compiled with -fsanitize=alignment: g++ checks the alignment of every typed access
@@ -637,10 +642,7 @@ extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismat
   if (!g.cur || !p || p % align == 0) return;  // host code outside a launch, or a null check we did not ask for
   set_error(E_MEMORY, "misaligned %s of a %llu-byte-aligned type (line %u)", d->kind == 1 ? "store" : "access", align,
             d->loc.line);
-  g.err.fault_addr = p;
-  g.err.fault_write = d->kind == 1;
-  g.err.fault_decoded = 3;
-  abort_fiber();
+  instrumented_fault(p, d->kind == 1);
 }
 extern "C" __attribute__((visibility("hidden"))) void __ubsan_handle_type_mismatch_v1_abort(UbsanTypeMismatch* d, uintptr_t p) {
   __ubsan_handle_type_mismatch_v1(d, p);
