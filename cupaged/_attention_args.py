@@ -1,4 +1,4 @@
-"""Argument checks shared by the attention ops (DESIGN.md §4-5): every message names the argument."""
+"""Argument checks shared by the attention ops (docs/conventions.md §4-5): every message names the argument."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Argument validation shared by the ops: every message names the argument, what was expected and
-what came (DESIGN.md §5). Nothing here reads the contents of a device array."""
+what came (docs/conventions.md §5). Nothing here reads the contents of a device array."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The product of :meth:`cupaged.pool.BlockPool.plan`: the index arrays one forward step's kernels
-take (DESIGN.md §4), and their upload to the GPU in one copy from pinned staging memory."""
+take (docs/conventions.md §4), and their upload to the GPU in one copy from pinned staging memory."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class BatchPlan:
     ``query_start_loc`` int32 [S+1], ``seq_lens`` int32 [S] (context including the new tokens),
     ``block_tables`` int32 [S, max_blocks] (0-padded), ``slot_mapping`` int64 [T] (-1 for
     positions served by the prefix cache), ``positions`` int64 [T]; ``max_seq_len`` and
-    ``max_query_len`` are the host-side launch hints of DESIGN.md §6. The arrays belong to the
+    ``max_query_len`` are the host-side launch hints of docs/conventions.md §6. The arrays belong to the
     caller: no later pool call changes them.
     """
 

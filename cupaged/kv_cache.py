@@ -1,4 +1,4 @@
-"""The paged KV cache itself: per-layer key and value block arrays in a DESIGN.md §4 layout.
+"""The paged KV cache itself: per-layer key and value block arrays in a docs/conventions.md §4 layout.
 
 Sized in blocks so one :class:`cupaged.pool.BlockPool` of the same ``num_blocks`` and
 ``block_size`` names slots in every layer; ``num_blocks_for`` turns a memory budget into that

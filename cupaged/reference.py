@@ -1,4 +1,4 @@
-"""numpy references: the oracle of every test (DESIGN.md §3).
+"""numpy references: the oracle of every test (docs/conventions.md §3).
 
 Written as a different algorithm from the kernels (whole-array fancy indexing and reshapes instead
 of per-thread index arithmetic, float64 where arithmetic happens) and never calling a kernel.

@@ -1,4 +1,4 @@
-"""The one tolerance table (DESIGN.md §4): |got - ref| <= atol + rtol * |ref|, used by the tests and
+"""The one tolerance table (docs/conventions.md §4): |got - ref| <= atol + rtol * |ref|, used by the tests and
 by ``python -m cupaged selftest``. fp8 caches are compared against the dequantized reference."""
 
 import ml_dtypes

@@ -4,7 +4,7 @@
 // for every token t whose slot = slot_mapping[t] >= 0 (negative slots are padding); quantize is
 // the identity for kv_cache_dtype "auto" and saturate(x / scale) to fp8 e4m3/e5m2 otherwise.
 //
-// Layouts (DESIGN.md §4), strides in elements, last dimension contiguous:
+// Layouts (docs/conventions.md §4), strides in elements, last dimension contiguous:
 //   key, value           [num_tokens, num_kv_heads, head_size]   any token / head stride (fused QKV views)
 //   flash NHD            [num_blocks, block_size, num_kv_heads, head_size]
 //   flash HND            [num_blocks, num_kv_heads, block_size, head_size]

@@ -38,7 +38,7 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// ---- fp8 KV cache (DESIGN.md §4): stored = saturate(x / scale) rounded to nearest even,
+// ---- fp8 KV cache (docs/conventions.md §4): stored = saturate(x / scale) rounded to nearest even,
 // read = float(stored) * scale. KV_AUTO caches hold the source type itself and ignore scales.
 enum KvDtype { KV_AUTO = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
 

@@ -9,7 +9,7 @@
 //   p = s = -inf (no key on either side)          -> prefix_output, LSE -inf (never NaN)
 //   t >= prefill_tokens_with_context (no prefix)   -> suffix_output, suffix_lse as stored
 //
-// Layouts (DESIGN.md §4), strides in elements:
+// Layouts (docs/conventions.md §4), strides in elements:
 //   output, prefix_output, suffix_output  [num_tokens, num_heads, head_size]  any token and head stride
 //                                         (padded heads, fused buffers), head_size contiguous
 //   prefix_lse, suffix_lse, output_lse    [num_heads, num_tokens] float32, any strides

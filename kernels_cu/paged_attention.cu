@@ -5,7 +5,7 @@
 //   out = sum_j e^{s_j - M} v_j / (sum_j e^{s_j - M} + e^{sink_h - M}),  LSE = M + log(denominator)
 // visible: j < seq_len, j <= p when causal, j > p - window when windowed. fp32 online softmax.
 //
-// Layouts (DESIGN.md §4), strides in elements; the key cache is addressed as
+// Layouts (docs/conventions.md §4), strides in elements; the key cache is addressed as
 //   block * k_block_stride + head * k_head_stride + (d / X) * k_chunk_stride + pos * k_page_stride + d % X
 // with X = 16 / sizeof(cache element), which covers flash NHD/HND (k_chunk_stride = X) and vLLM's
 // [num_blocks, num_kv_heads, head_size / X, block_size, X]; values are

@@ -1,4 +1,4 @@
-"""Shared test fixtures: the backend parametrization and the one tolerance table (DESIGN.md §4)."""
+"""Shared test fixtures: the backend parametrization and the one tolerance table (docs/conventions.md §4)."""
 
 from __future__ import annotations
 
