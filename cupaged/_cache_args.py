@@ -8,7 +8,7 @@ import numpy as np
 
 from cupaged._checks import CTYPE, FLOAT_DTYPES, check_choice, check_dtype, check_ndim
 
-__all__ = ["KV_CACHE_DTYPES", "KV_CODE", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
+__all__ = ["KV_CACHE_DTYPES", "KV_CODE", "kv_dtype_name", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
            "host_copy", "kernel_scalar_type", "check_scale_values"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -20,6 +20,13 @@ def cache_dtype(kv_cache_dtype: str, dtype) -> np.dtype:
     """The dtype a cache must have for data of ``dtype``: the same for "auto", uint8 for fp8."""
     check_choice("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES)
     return np.dtype(dtype) if kv_cache_dtype == "auto" else np.dtype(np.uint8)
+
+
+def kv_dtype_name(kv_cache_dtype: str, dtype) -> str:
+    """The KV cache's element format as bench rows name it: fp32 / fp16 / bf16 / fp8_e4m3 / fp8_e5m2."""
+    if kv_cache_dtype != "auto":
+        return "fp8_e5m2" if kv_cache_dtype == "fp8_e5m2" else "fp8_e4m3"
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(np.dtype(dtype).name, np.dtype(dtype).name)
 
 
 def kernel_scalar_type(name: str, a) -> str:

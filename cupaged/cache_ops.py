@@ -12,6 +12,7 @@ from cupaged._cache_args import (
     check_slot_mapping,
     check_slots_in_pool,
     kernel_scalar_type,
+    kv_dtype_name,
     kv_scale_args,
     scale_args,
 )
@@ -26,6 +27,8 @@ from cupaged._checks import (
     element_strides,
     validate_enabled,
 )
+from cupaged._annotate import op_launch
+from cupaged._cost import Cost
 from cupaged._runtime import KernelFamily, array_module
 
 __all__ = ["reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla"]
@@ -137,9 +140,17 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         vec = 1
     kernel = FAMILY.function(_flash(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype], vec), xp)
     threads = min(_THREADS, max(32, -(-num_kv_heads * head_size // vec // 32) * 32))
-    kernel((num_tokens,), (threads,),
-           (key, value, key_cache, value_cache, slot_mapping, *scales, *(np.int64(s) for s in strides),
-            np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
+
+    def cost():  # the valid tokens' keys and values read and written once, and the slots
+        valid = int(np.count_nonzero(slot_mapping >= 0))
+        row = num_kv_heads * head_size
+        return Cost(2 * valid * row * (key.itemsize + key_cache.itemsize) + slot_mapping.nbytes, 0)
+
+    with op_launch(xp, "reshape_and_cache_flash", lambda: f"t={num_tokens} h={num_kv_heads} d={head_size} "
+                   f"bs={block_size} {layout} {kv_dtype_name(kv_cache_dtype, key.dtype)}", cost):
+        kernel((num_tokens,), (threads,),
+               (key, value, key_cache, value_cache, slot_mapping, *scales, *(np.int64(s) for s in strides),
+                np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",

@@ -12,6 +12,8 @@ import numbers
 
 import numpy as np
 
+from cupaged._annotate import op_launch
+from cupaged._cost import Cost
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
     check_writable, element_strides
 from cupaged._runtime import KernelFamily, array_module
@@ -143,8 +145,15 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     threads_per_row = min(head_size // pack, _THREADS)
     rows_per_cta = _THREADS // threads_per_row
     kernel = FAMILY.function(_kernel(CTYPE[output.dtype], vec), xp)
-    kernel((-(-rows // rows_per_cta),), (threads_per_row, rows_per_cta),
-           (output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
-            *(np.int64(s) for s in strides + lse_strides),
-            np.int32(num_tokens), np.int32(num_heads), np.int32(head_size), np.int32(prefill_tokens_with_context)))
+
+    def cost():  # both partial outputs and LSEs read, the output (and its LSE) written: a pure stream
+        lse_out = 0 if output_lse is None else rows * 4
+        return Cost(3 * rows * head_size * output.itemsize + 2 * rows * 4 + lse_out, 0)
+
+    with op_launch(xp, "merge_attn_states", lambda: f"t={num_tokens} h={num_heads} d={head_size} {output.dtype}",
+                   cost):
+        kernel((-(-rows // rows_per_cta),), (threads_per_row, rows_per_cta),
+               (output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                *(np.int64(s) for s in strides + lse_strides),
+                np.int32(num_tokens), np.int32(num_heads), np.int32(head_size), np.int32(prefill_tokens_with_context)))
     return None

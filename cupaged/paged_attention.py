@@ -8,11 +8,13 @@ import math
 
 import numpy as np
 
+from cupaged._annotate import declare_launch, op_range
 from cupaged._attention_args import check_caches, check_head_vector, check_out, check_q, check_softcap, \
     check_tables, validate_tables
-from cupaged._cache_args import KV_CODE, check_scale_values, kv_scale_args
+from cupaged._cache_args import KV_CODE, check_scale_values, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, address, check_bool, check_float, check_optional_int, check_writable, \
     element_strides, validate_enabled
+from cupaged._cost import attention_cost
 from cupaged._runtime import KernelFamily, array_module, struct_arg
 
 __all__ = ["paged_attention", "HEAD_BUCKETS"]
@@ -107,14 +109,30 @@ def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_
     kernel = FAMILY.function(_main(t, KV_CODE[kv_cache_dtype], hd, vhd, mla), xp)
     kernel.max_dynamic_shared_size_bytes = smem_bytes(hd, vhd, mla)
     grid = (tiles * max_splits, caches["kv_heads"], num_seqs)
-    kernel(grid, (THREADS,), (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks, alibi, k_ptr,
-                              v_ptr, out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp)),
-           shared_mem=smem_bytes(hd, vhd, mla))
-    if max_splits > 1 and kv_split_size > 0:  # sequences with one split were finished above
-        reduce = FAMILY.function(_reduce(t), xp)
-        reduce((num_tokens, num_heads), (THREADS,), (out, lse, max_logits, exp_sums, tmp_output, seq_lens,
-                                                      np.int32(block_tables is None), query_start_loc, sinks, struct_arg(p, xp),
-                                                      np.int32(num_seqs)))
+    op = "mla_decode" if mla else "decode" if query_start_loc is None else "prefill"
+
+    def label():
+        return (f"b={num_seqs} t={num_tokens} h={num_heads}/{caches['kv_heads']} d={head_size} "
+                f"{kv_dtype_name(kv_cache_dtype, key_cache.dtype)}{' causal' if causal else ''} splits={max_splits}")
+
+    def cost():
+        lens = seq_lens if block_tables is not None else np.diff(seq_lens)
+        q_lens = np.ones(num_seqs, np.int64) if query_start_loc is None else np.diff(query_start_loc)
+        return attention_cost(lens, q_lens, num_heads=num_heads, num_kv_heads=caches["kv_heads"], head_size=head_size,
+                              v_head_size=v_head_size, kv_itemsize=key_cache.itemsize, q_itemsize=q.itemsize,
+                              out_itemsize=out.itemsize, block_size=caches["block_size"] if block_tables is not None
+                              else None, causal=causal, window=window, lse=lse is not None, shared_kv=mla)
+
+    with op_range(op, label):
+        with declare_launch(xp, op, label, cost):
+            kernel(grid, (THREADS,), (q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks, alibi,
+                                      k_ptr, v_ptr, out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp)),
+                   shared_mem=smem_bytes(hd, vhd, mla))
+        if max_splits > 1 and kv_split_size > 0:  # sequences with one split were finished above
+            reduce = FAMILY.function(_reduce(t), xp)
+            reduce((num_tokens, num_heads), (THREADS,), (out, lse, max_logits, exp_sums, tmp_output, seq_lens,
+                                                          np.int32(block_tables is None), query_start_loc, sinks,
+                                                          struct_arg(p, xp), np.int32(num_seqs)))
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,

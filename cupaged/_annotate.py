@@ -1,0 +1,65 @@
+"""What the ops tell the tools around them: NVTX ranges (``CUPAGED_NVTX=1``) and, under
+``cupaged.sim.profile()``, each main kernel launch's declared minimum traffic and FLOPs.
+
+Both cost nothing when off: a range's label and a declaration's cost are built by callables that
+run only when NVTX is on or a sim profile is recording, so the default call path stays as cheap
+as before (and never reads device arrays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+__all__ = ["Declared", "op_range", "declare_launch", "op_launch", "nvtx_enabled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """The op a profiled launch belongs to, with what it must at least move and compute."""
+
+    op: str
+    label: str
+    min_bytes: int
+    flops: int
+
+
+def nvtx_enabled() -> bool:
+    return os.environ.get("CUPAGED_NVTX", "0") == "1"
+
+
+@contextlib.contextmanager
+def op_range(op: str, label):
+    """An NVTX range ``cupaged.<op> <label()>`` around an op's launches when CUPAGED_NVTX=1 (a
+    missing nvtx package turns it into a no-op, as some GPU images lack it)."""
+    if not nvtx_enabled():
+        yield
+        return
+    try:
+        import nvtx
+    except ImportError:
+        yield
+        return
+    with nvtx.annotate(f"cupaged.{op} {label()}"):
+        yield
+
+
+def declare_launch(xp, op: str, label, cost):
+    """A context around an op's main launch: under a sim profile, the launch records
+    ``Declared(op, label(), cost().min_bytes, cost().flops)``; otherwise a no-op."""
+    import numpy as np
+
+    from cupaged.sim import _profile
+
+    if xp is not np or not _profile.active():
+        return contextlib.nullcontext()
+    c = cost()
+    return _profile.declare(Declared(op, label(), int(c.min_bytes), int(c.flops)))
+
+
+@contextlib.contextmanager
+def op_launch(xp, op: str, label, cost):
+    """An op of one launch: its NVTX range and its declaration together."""
+    with op_range(op, label), declare_launch(xp, op, label, cost):
+        yield
