@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from cupaged._annotate import op_launch
 from cupaged._cache_args import KV_CODE, cache_dtype, check_index, check_scale_values, host_copy, scale_args
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
     check_writable, element_strides, validate_enabled
+from cupaged._cost import Cost
 from cupaged._runtime import array_module
 from cupaged.cache_ops import FAMILY, _gather, _words
 
@@ -97,10 +99,12 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
     strides = (*element_strides("src_cache", src_cache)[:2], element_strides("dst", dst)[0],
                element_strides("block_table", block_table)[0])
     kernel = FAMILY.function(_gather(CTYPE[dst.dtype], KV_CODE[kv_cache_dtype]), xp)
-    kernel((num_tokens,), (_THREADS,),
-           (src_cache, dst, block_table, cu_seq_lens, token_to_seq, seq_starts, ptr, value,
-            *(np.int64(s) for s in strides), np.int32(dst.shape[1]), np.int32(src_cache.shape[1]), np.int32(batch),
-            np.int32(block_table.shape[1])))
+    with op_launch(xp, "gather_and_maybe_dequant_cache", lambda: f"t={num_tokens} row={dst.shape[1]} {dst.dtype}",
+                   lambda: Cost(num_tokens * dst.shape[1] * (src_cache.itemsize + dst.itemsize), 0)):
+        kernel((num_tokens,), (_THREADS,),
+               (src_cache, dst, block_table, cu_seq_lens, token_to_seq, seq_starts, ptr, value,
+                *(np.int64(s) for s in strides), np.int32(dst.shape[1]), np.int32(src_cache.shape[1]),
+                np.int32(batch), np.int32(block_table.shape[1])))
 
 
 def _word_size(arrays, byte_strides, nbytes) -> int:
@@ -148,10 +152,12 @@ def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_st
     word = _word_size((src_cache, dst), byte_strides, row_bytes)
     splits = 2 if batch_size > 128 else 4 if batch_size > 64 else 16
     kernel = FAMILY.function(_words("cp_gather_cache_kernel", word), xp)
-    kernel((batch_size, splits), (_THREADS,),
-           (src_cache, dst, block_table, cu_seq_lens, seq_starts, *(np.int64(s // word) for s in byte_strides),
-            np.int64(element_strides("block_table", block_table)[0]), np.int32(row_bytes // word),
-            np.int32(src_cache.shape[1])))
+    with op_launch(xp, "cp_gather_cache", lambda: f"b={batch_size} row={row_bytes}B",
+                   lambda: Cost(2 * row_bytes * int(cu_seq_lens[batch_size] - cu_seq_lens[0]), 0)):
+        kernel((batch_size, splits), (_THREADS,),
+               (src_cache, dst, block_table, cu_seq_lens, seq_starts, *(np.int64(s // word) for s in byte_strides),
+                np.int64(element_strides("block_table", block_table)[0]), np.int32(row_bytes // word),
+                np.int32(src_cache.shape[1])))
 
 
 def _check_mapping(block_mapping, xp, bounds, validate):
@@ -204,8 +210,10 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
         block_bytes = cache[0].nbytes
         word = _word_size((cache,), (cache.strides[0],), block_bytes)
         kernel = FAMILY.function(_words("copy_blocks_kernel", word), xp)
-        kernel((mapping.shape[0],), (_THREADS,),
-               (cache, mapping, np.int64(cache.strides[0] // word), np.int64(block_bytes // word)))
+        with op_launch(xp, "copy_blocks", lambda: f"pairs={mapping.shape[0]} block={block_bytes}B",
+                       lambda: Cost(2 * mapping.shape[0] * block_bytes + mapping.nbytes, 0)):
+            kernel((mapping.shape[0],), (_THREADS,),
+                   (cache, mapping, np.int64(cache.strides[0] // word), np.int64(block_bytes // word)))
 
 
 def swap_blocks(src, dst, block_mapping):

@@ -68,6 +68,12 @@ FAMILY = KernelFamily("cache_ops", [
 ])
 
 
+def _write_cost(slot_mapping, elements: int, src_itemsize: int, cache_itemsize: int) -> Cost:
+    """A cache write's minimum: each valid token's ``elements`` read and written once, and the slots."""
+    valid = int(np.count_nonzero(slot_mapping >= 0))
+    return Cost(valid * elements * (src_itemsize + cache_itemsize) + slot_mapping.nbytes, 0)
+
+
 def _aligned(arrays, strides, vec_elems) -> bool:
     """Every address 16-byte aligned and every stride a multiple of the vector width."""
     return all(address(a) % 16 == 0 for a in arrays) and all(s % vec_elems == 0 for s in strides)
@@ -140,14 +146,9 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
         vec = 1
     kernel = FAMILY.function(_flash(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype], vec), xp)
     threads = min(_THREADS, max(32, -(-num_kv_heads * head_size // vec // 32) * 32))
-
-    def cost():  # the valid tokens' keys and values read and written once, and the slots
-        valid = int(np.count_nonzero(slot_mapping >= 0))
-        row = num_kv_heads * head_size
-        return Cost(2 * valid * row * (key.itemsize + key_cache.itemsize) + slot_mapping.nbytes, 0)
-
     with op_launch(xp, "reshape_and_cache_flash", lambda: f"t={num_tokens} h={num_kv_heads} d={head_size} "
-                   f"bs={block_size} {layout} {kv_dtype_name(kv_cache_dtype, key.dtype)}", cost):
+                   f"bs={block_size} {layout} {kv_dtype_name(kv_cache_dtype, key.dtype)}",
+                   lambda: _write_cost(slot_mapping, 2 * num_kv_heads * head_size, key.itemsize, key_cache.itemsize)):
         kernel((num_tokens,), (threads,),
                (key, value, key_cache, value_cache, slot_mapping, *scales, *(np.int64(s) for s in strides),
                 np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
@@ -193,9 +194,13 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     vc = element_strides("value_cache", value_cache)[:3]
     vec = _aligned((key, value), kv_strides, 16 // key.itemsize) and _aligned((key_cache,), kc, x)
     kernel = FAMILY.function(_vllm(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype], vec), xp)
-    kernel((num_tokens,), (_THREADS,),
-           (key, value, key_cache, value_cache, slot_mapping, *scales, *(np.int64(s) for s in kv_strides + kc + vc),
-            np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
+    with op_launch(xp, "reshape_and_cache", lambda: f"t={num_tokens} h={num_kv_heads} d={head_size} bs={block_size} "
+                   f"{kv_dtype_name(kv_cache_dtype, key.dtype)}", lambda: _write_cost(slot_mapping, 2 * num_kv_heads * head_size,
+                                                                           key.itemsize, key_cache.itemsize)):
+        kernel((num_tokens,), (_THREADS,),
+               (key, value, key_cache, value_cache, slot_mapping, *scales,
+                *(np.int64(s) for s in kv_strides + kc + vc), np.int32(num_kv_heads), np.int32(head_size),
+                np.int32(block_size)))
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=1.0, *, validate=None):
@@ -230,7 +235,10 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     strides = (element_strides("kv_c", kv_c)[0], element_strides("k_pe", k_pe)[0],
                *element_strides("kv_cache", kv_cache)[:2])
     kernel = FAMILY.function(_mla(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype]), xp)
-    kernel((num_tokens,), (_THREADS,),
-           (kv_c, k_pe, kv_cache, slot_mapping, ptr, value, *(np.int64(s) for s in strides),
-            np.int32(kv_lora_rank), np.int32(rope_dim), np.int32(block_size)))
+    with op_launch(xp, "concat_and_cache_mla", lambda: f"t={num_tokens} rank={kv_lora_rank} rope={rope_dim} "
+                   f"bs={block_size} {kv_dtype_name(kv_cache_dtype, kv_c.dtype)}",
+                   lambda: _write_cost(slot_mapping, kv_lora_rank + rope_dim, kv_c.itemsize, kv_cache.itemsize)):
+        kernel((num_tokens,), (_THREADS,),
+               (kv_c, k_pe, kv_cache, slot_mapping, ptr, value, *(np.int64(s) for s in strides),
+                np.int32(kv_lora_rank), np.int32(rope_dim), np.int32(block_size)))
 

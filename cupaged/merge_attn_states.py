@@ -13,9 +13,9 @@ import numbers
 import numpy as np
 
 from cupaged._annotate import op_launch
-from cupaged._cost import Cost
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
     check_writable, element_strides
+from cupaged._cost import Cost
 from cupaged._runtime import KernelFamily, array_module
 
 __all__ = ["merge_attn_states"]

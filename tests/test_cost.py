@@ -1,0 +1,74 @@
+"""The ops' declared minimum traffic and FLOPs (cupaged/_cost.py) on sizes counted by hand, and the
+NVTX ranges the ops emit under CUPAGED_NVTX=1."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import sim
+from cupaged._cost import attention_cost, visible_pairs
+
+
+def test_decode_cost_by_hand():
+    # 2 sequences of 5 and 3 keys, 4 query heads over 2 KV heads, head 8, fp16 everywhere, blocks of 4:
+    # K/V 8 keys x 2 heads x 16 values x 2 B = 512; q + out 2 tokens x 4 heads x 32 B = 256;
+    # tables (2 + 1 blocks) x 4 = 12; lengths (2 seq_lens + 3 query_start_loc) x 4 = 20
+    c = attention_cost([5, 3], [1, 1], num_heads=4, num_kv_heads=2, head_size=8, v_head_size=8, kv_itemsize=2,
+                       q_itemsize=2, out_itemsize=2, block_size=4, causal=True)
+    assert c.min_bytes == 512 + 256 + 12 + 20
+    assert c.flops == 2 * 16 * 4 * (5 + 3)
+
+
+@pytest.mark.parametrize("causal, window, keys, pairs", [
+    (True, 0, 10, 7 + 8 + 9 + 10),   # queries at positions 6..9 see keys 0..p
+    (True, 3, 6, 4 * 3),             # each sees its 3 most recent keys; together keys 4..9
+    (True, 8, 10, 7 + 8 + 8 + 8),    # positions 6..9: min(p + 1, 8)
+    (False, 0, 10, 4 * 10),
+])
+def test_visible_pairs_of_a_prefill_chunk(causal, window, keys, pairs):
+    k, p = visible_pairs([10], [4], causal, window)
+    assert (int(k[0]), int(p[0])) == (keys, pairs)
+
+
+def test_mla_reads_a_latent_row_once():
+    c = attention_cost([4], [1], num_heads=16, num_kv_heads=1, head_size=576, v_head_size=512, kv_itemsize=2,
+                       q_itemsize=2, out_itemsize=2, block_size=64, causal=True, lse=True, shared_kv=True)
+    assert c.min_bytes == 4 * 576 * 2 + 16 * (576 * 2 + 512 * 2 + 4) + 4 + 4 * 3
+    assert c.flops == 2 * (576 + 512) * 16 * 4
+
+
+@pytest.fixture
+def fake_nvtx(monkeypatch):
+    """An ``nvtx`` module that records the ranges opened (the real one needs a GPU profiler)."""
+    opened = []
+
+    @contextlib.contextmanager
+    def annotate(message, **_):
+        opened.append(message)
+        yield
+
+    monkeypatch.setitem(sys.modules, "nvtx", types.SimpleNamespace(annotate=annotate))
+    return opened
+
+
+def _decode():
+    rng = np.random.default_rng(0)
+    kc = sim.asarray(rng.standard_normal((4, 16, 2, 64)).astype(np.float16))
+    vc = sim.asarray(rng.standard_normal((4, 16, 2, 64)).astype(np.float16))
+    q = rng.standard_normal((2, 4, 64)).astype(np.float16)
+    cupaged.paged_attention(q, kc, vc, np.array([[0, 1], [2, 3]], np.int32), np.array([20, 31], np.int32))
+
+
+def test_ops_emit_nvtx_ranges_only_when_asked(fake_nvtx, monkeypatch):
+    monkeypatch.delenv("CUPAGED_NVTX", raising=False)
+    _decode()
+    assert fake_nvtx == []
+    monkeypatch.setenv("CUPAGED_NVTX", "1")
+    _decode()
+    assert fake_nvtx == ["cupaged.decode b=2 t=2 h=4/2 d=64 fp16 causal splits=1"]
