@@ -87,13 +87,34 @@ def summarize(label, version, ms, nbytes, peak):
     return (label, version, f"{med:.1f}", f"{p20:.1f}–{p80:.1f}", f"{gbps:.0f}", pct)
 
 
-def run_bandwidth_table(gpu_cases, sim_cases):
+def run_bandwidth_table(gpu_cases, sim_cases, model_cases=(), bench="", argv=None, doc=""):
     """The main of a bandwidth benchmark: each case is (make, args) with make(xp, alloc, *args) ->
-    (label, run, bytes moved). On a GPU: CUDA-event timings and % of peak; else a sim smoke run."""
-    from cupaged import sim
+    (label, run, bytes moved). On a GPU: CUDA-event timings and % of peak, and rows (``--json``) of
+    the model cases' shapes; ``--model`` on the sim: the H200 model of each model case, (shape, make,
+    full args, profiled args, batch factor): ``make(*profiled args)`` run, scaled by the factor (see
+    profiling/_model.py); else a sim smoke run."""
+    import argparse
 
+    import _model
+
+    from cupaged import sim
+    from cupaged._cost import Cost
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE ({'rows': [...]})")
+    parser.add_argument("--model", action="store_true", help="H200 model rows of the production shapes (sim)")
+    args = parser.parse_args(argv)
     cp = gpu()
     rows = []
+    if cp is None and args.model:
+        for shape, make, _, subset, factor in model_cases:
+            _, run, nbytes = make(np, sim.empty, *subset)
+            rows.append(_model.project(shape, run, None, factor, fallback_bytes=nbytes * factor))
+        _model.store_model_rows(bench, rows)
+        _model.print_model_table(rows)
+        _model.write_json(args.json, rows, device="sim", model="H200")
+        return
     if cp is None:
         for make, cfg in sim_cases:
             label, run, nbytes = make(np, sim.empty, *cfg)
@@ -102,8 +123,18 @@ def run_bandwidth_table(gpu_cases, sim_cases):
         print_table(rows, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
         return
     device, peak = peak_bandwidth_gbps(cp)
+    table = []
     for make, cfg in gpu_cases:
         label, run, nbytes = make(cp, cp.empty, *cfg)
         with nvtx_range(label):
-            rows.append(summarize(label, "v1", time_gpu(cp, run), nbytes, peak))
-    print_table(rows, f"{device} (peak {peak or '?'} GB/s)")
+            table.append(summarize(label, "v1", time_gpu(cp, run), nbytes, peak))
+    print_table(table, f"{device} (peak {peak or '?'} GB/s)")
+    for shape, make, full, _, _ in model_cases:
+        label, run, nbytes = make(cp, cp.empty, *full)
+        with nvtx_range(label):
+            ms = time_gpu(cp, run)
+        rows.append(_model.row(shape, "measured", float(np.median(ms)) * 1e3, Cost(nbytes, 0), device=device))
+    cached = _model.cached_model_rows(bench)
+    if cached:
+        _model.print_model_table(cached)
+    _model.write_json(args.json, rows + cached, device=device)

@@ -2,9 +2,10 @@
 
 GPU: each op is timed with CUDA events, L2 flushed between reps, inside an NVTX range named by its
 config; bytes moved = bytes read + bytes written. Sim (no GPU): one tiny size per op as a smoke
-test; those are CPU timings of the simulator, not GPU timings.
+test; those are CPU timings of the simulator, not GPU timings. ``--model`` (sim): the H200 model of
+a 16k-token reshape_and_cache_flash (fp16 and fp8), projected from 256 tokens (profiling/_model.py).
 
-    python profiling/bench_cache_ops.py
+    python profiling/bench_cache_ops.py [--json out.json] [--model]
     nsys profile -t cuda,nvtx python profiling/bench_cache_ops.py
 """
 
@@ -98,8 +99,19 @@ SIM = [(flash, (64, 4, 128, 16)), (flash, (64, 4, 128, 16, "HND", "fp8")), (vllm
        (mla_write, (64, 16)), (mla_gather, (64, 16, "fp8")), (copy, (8, (16, 4, 64)))]
 
 
-def main():
-    _bench.run_bandwidth_table(GPU, SIM)
+def _shape(op, tokens, heads, head_size, kv):
+    return dict(op=op, batch=1, context=tokens, q_len=tokens, num_heads=heads, num_kv_heads=heads, head_size=head_size,
+                kv_dtype={"auto": "fp16", "fp8": "fp8_e4m3"}[kv], causal=False)
+
+
+# (shape, make, full args, profiled args, factor): a 16k-token prefill chunk written into the cache,
+# modeled from 256 of its tokens (one CTA per token, all alike)
+MODEL = [(_shape("reshape_and_cache_flash", 16384, 8, 128, kv), flash, (16384, 8, 128, 16, "NHD", kv),
+          (256, 8, 128, 16, "NHD", kv), 64) for kv in ("auto", "fp8")]
+
+
+def main(argv=None):
+    _bench.run_bandwidth_table(GPU, SIM, MODEL, "cache_ops", argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 GPU: each config is timed with CUDA events, L2 flushed between reps, inside an NVTX range named by
 its config; bytes moved = both partial outputs and LSEs read + output and output LSE written (the
 kernel is a pure stream: its bound is those bytes / HBM bandwidth). Sim (no GPU): tiny sizes as a
-smoke test; those are CPU timings of the simulator, not GPU timings.
+smoke test; those are CPU timings of the simulator, not GPU timings. ``--model`` (sim): the H200
+model of a 16k-token x 32-head fp16 merge, projected from 512 tokens (profiling/_model.py).
 
-    python profiling/bench_merge.py
+    python profiling/bench_merge.py [--json out.json] [--model]
     nsys profile -t cuda,nvtx python profiling/bench_merge.py
 """
 
@@ -54,8 +55,13 @@ GPU = [(merge, (t, h, d)) for t in (4096, 16384) for h in (32, 128) for d in (12
 SIM = [(merge, (17, 4, 128)), (merge, (5, 2, 512, np.float32))]
 
 
-def main():
-    _bench.run_bandwidth_table(GPU, SIM)
+# (shape, make, full args, profiled args, factor): 16k tokens x 32 heads, modeled from 512 tokens
+MODEL = [(dict(op="merge_attn_states", batch=1, context=16384, q_len=16384, num_heads=32, num_kv_heads=32,
+               head_size=128, kv_dtype=None, causal=False), merge, (16384, 32, 128), (512, 32, 128), 32)]
+
+
+def main(argv=None):
+    _bench.run_bandwidth_table(GPU, SIM, MODEL, "merge", argv, __doc__)
 
 
 if __name__ == "__main__":

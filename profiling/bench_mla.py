@@ -1,72 +1,122 @@
-"""Benchmark of MLA decode (kernels_cu/paged_attention.cu, shared-KV mode) and the chunked-context
-prefill driver.
+"""Benchmark of MLA decode (kernels_cu/paged_attention.cu, shared-KV mode).
 
-Decode is compute-bound on CUDA cores with 128 heads (~240 FLOP per cache byte): the table reports
-TFLOP/s (4 · heads · 576-ish FLOP per key) beside GB/s of latent cache read. GPU: CUDA events, L2
-flushed between reps, NVTX ranges named by config. Sim (no GPU): a smoke run with tiny sizes.
+Decode is compute-bound on CUDA cores with 128 heads (~240 FLOP per cache byte): rows report
+TFLOP/s (2 · heads · (576 + 512) FLOP per key) beside GB/s of the op's declared minimum bytes
+(cupaged/_cost.py: the latent rows once, q, out). GPU: CUDA events, L2 flushed between reps, NVTX
+ranges named by config; model rows a ``--model`` run cached are printed beside. ``--model`` (sim):
+the H200 model projected to 64 x 4096 with 16 and 128 heads, 576/512, bf16 (profiling/_model.py).
+Without either: a smoke run of tiny sizes on the sim (CPU timings, not GPU timings).
 
-    python profiling/bench_mla.py
+    python profiling/bench_mla.py [--json out.json] [--model]
     nsys profile -t cuda,nvtx python profiling/bench_mla.py
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
+import _model  # noqa: E402
 
 import cupaged  # noqa: E402
 from cupaged import sim  # noqa: E402
+from cupaged._cost import attention_cost  # noqa: E402
+from cupaged.paged_attention import ROWS, choose_split  # noqa: E402
 
-RANK, ROPE = 512, 64
+RANK, ROPE, BLOCK = 512, 64, 64
+DTYPES = {"fp16": (np.float16, "auto"), "bf16": (ml_dtypes.bfloat16, "auto"), "fp8_e4m3": (ml_dtypes.bfloat16, "fp8")}
 
 
-def decode(xp, alloc, num_seqs, context, heads, kv_cache_dtype="auto", block=64):
+def shape(batch, context, heads, kv_dtype="bf16"):
+    return dict(op="mla_decode", batch=batch, context=context, q_len=1, num_heads=heads, num_kv_heads=1,
+                head_size=RANK + ROPE, kv_dtype=kv_dtype, causal=True)
+
+
+def cost(s, block=BLOCK):
+    dtype, kv = DTYPES[s["kv_dtype"]]
+    itemsize = np.dtype(dtype).itemsize
+    return attention_cost(np.full(s["batch"], s["context"]), np.ones(s["batch"], np.int64), num_heads=s["num_heads"],
+                          num_kv_heads=1, head_size=RANK + ROPE, v_head_size=RANK,
+                          kv_itemsize=1 if kv != "auto" else itemsize, q_itemsize=itemsize, out_itemsize=itemsize,
+                          block_size=block, causal=True, shared_kv=True)
+
+
+def decode(xp, alloc, s, block=BLOCK, kv_split_size=None):
     rng = np.random.default_rng(0)
+    dtype, kv_cache_dtype = DTYPES[s["kv_dtype"]]
+    num_seqs, context, heads = s["batch"], s["context"], s["num_heads"]
     blocks_per_seq = -(-context // block)
-    cache_dtype = np.float16 if kv_cache_dtype == "auto" else np.uint8
+    cache_dtype = dtype if kv_cache_dtype == "auto" else np.uint8
     cache = alloc((num_seqs * blocks_per_seq, block, RANK + ROPE), cache_dtype)
     cache[...] = xp.asarray(rng.integers(0, 100, cache.shape).astype(np.uint8) if cache_dtype == np.uint8
-                            else (rng.standard_normal(cache.shape) * 0.1).astype(np.float16))
+                            else (rng.standard_normal(cache.shape, np.float32) * 0.1).astype(dtype))
     tables = xp.asarray(rng.permutation(num_seqs * blocks_per_seq).astype(np.int32).reshape(num_seqs, -1))
     lens = xp.asarray(np.full(num_seqs, context, np.int32))
-    q = xp.asarray(rng.standard_normal((num_seqs, heads, RANK + ROPE)).astype(np.float16))
-    nbytes = num_seqs * context * (RANK + ROPE) * np.dtype(cache_dtype).itemsize
-    flops = 2 * num_seqs * heads * context * ((RANK + ROPE) + RANK)
-    label = f"mla_decode b={num_seqs} ctx={context} heads={heads} bs={block} {kv_cache_dtype}"
+    q = xp.asarray(rng.standard_normal((num_seqs, heads, RANK + ROPE), np.float32).astype(dtype))
 
     def run():
         cupaged.mla_decode(q, cache, tables, lens, scale=0.04, kv_cache_dtype=kv_cache_dtype, k_scale=0.01,
-                           max_seq_len=context)
+                           max_seq_len=context, kv_split_size=kv_split_size)
 
-    return label, run, nbytes, flops
-
-
-GPU = [(1, 4096, 128), (8, 4096, 128), (64, 4096, 128), (128, 8192, 16), (64, 4096, 128, "fp8"), (32, 32768, 128)]
-SIM = [(2, 128, 16), (1, 64, 128, "fp8")]
+    return run
 
 
-def main():
+def project(s, subset):
+    """The full batch's plan (its split) on ``subset`` sequences, every CTA profiled: the head tiles of
+    one split share their latent rows in L2, so sampling among them would over-count distinct bytes."""
+    split = choose_split(np, s["batch"] * -(-s["num_heads"] // ROWS), s["context"]) or s["context"]
+    run = decode(np, sim.empty, dict(s, batch=subset), kv_split_size=split)
+    return _model.project(s, run, cost(s), s["batch"] // subset)
+
+
+MODEL = [(shape(64, 4096, 16), 2), (shape(64, 4096, 128), 1)]
+GPU = [shape(1, 4096, 128), shape(8, 4096, 128), shape(64, 4096, 128), shape(128, 8192, 16), shape(64, 4096, 16),
+       shape(64, 4096, 128, "fp8_e4m3"), shape(32, 32768, 128)]
+SIM = [shape(2, 128, 16), shape(1, 64, 128, "fp8_e4m3")]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE ({'rows': [...]})")
+    parser.add_argument("--model", action="store_true", help="H200 model rows of the production shapes (sim)")
+    args = parser.parse_args(argv)
     cp = _bench.gpu()
-    rows = []
+    if cp is None and args.model:
+        rows = []
+        for s, subset in MODEL:
+            rows.append(project(s, subset))
+            print(f"  modeled {_model.label(rows[-1])}: {rows[-1]['time_us']:.1f} µs", file=sys.stderr, flush=True)
+        _model.store_model_rows("mla", rows)
+        _model.print_model_table(rows)
+        _model.write_json(args.json, rows, device="sim", model="H200")
+        return
+    table, rows = [], []
     if cp is None:
-        for cfg in SIM:
-            label, run, nbytes, flops = decode(np, sim.empty, *cfg, block=16)
-            with _bench.nvtx_range(label):
-                rows.append(_bench.summarize(label, "v1", _bench.time_cpu(run), nbytes, None))
-        _bench.print_table(rows, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
+        for s in SIM:
+            run = decode(np, sim.empty, s, block=16)
+            table.append(_bench.summarize(_model.label(s), "v1", _bench.time_cpu(run), cost(s, 16).min_bytes, None))
+        _bench.print_table(table, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
         return
     device, peak = _bench.peak_bandwidth_gbps(cp)
-    for cfg in GPU:
-        label, run, nbytes, flops = decode(cp, cp.empty, *cfg)
-        with _bench.nvtx_range(label):
+    for s in GPU:
+        run, c = decode(cp, cp.empty, s), cost(s)
+        with _bench.nvtx_range(_model.label(s)):
             ms = _bench.time_gpu(cp, run)
-        rows.append(_bench.summarize(label, "v1", ms, nbytes, peak) + (f"{flops / (np.median(ms) * 1e-3) / 1e12:.1f}",))
-    _bench.print_table(rows, f"{device} (peak {peak or '?'} GB/s)", extra=("TFLOP/s",))
+        r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device)
+        rows.append(r)
+        table.append(_bench.summarize(_model.label(s), "v1", ms, c.min_bytes, peak) + (f"{r['tflops']:.1f}",))
+    _bench.print_table(table, f"{device} (peak {peak or '?'} GB/s)", extra=("TFLOP/s",))
+    cached = _model.cached_model_rows("mla")
+    if cached:
+        _model.print_model_table(cached)
+    _model.write_json(args.json, rows + cached, device=device)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Benchmark of paged attention (kernels_cu/paged_attention.cu): decode and prefill.
 
-Decode: batch 1/8/64/256 x context 512/4k/32k x GQA 1/4/8 x head 128 x fp16/fp8 caches, 8 KV heads.
-Prefill: chunks of 512 and 2k new tokens over an equal cached prefix. GPU: CUDA events with L2 flushed
-between reps, NVTX ranges named by config; prints µs, achieved GB/s (K/V bytes read / time), % of
-the device's spec bandwidth and of the device-to-device copy bandwidth measured in the same run,
-TFLOP/s for prefill; ``--json FILE`` writes every row. Goal on H100/H200: decode >= 80% of spec
-bandwidth whenever a call reads >= 256 MB of K/V. Sim (no GPU): a smoke run with tiny sizes.
+GPU: CUDA events with L2 flushed between reps, NVTX ranges named by config; rows of µs, GB/s (the
+op's declared minimum bytes, cupaged/_cost.py, / time), % of the H200 spec bandwidth and of the
+device-to-device copy measured in the same run, TFLOP/s; model rows a ``--model`` run cached are
+printed beside. ``--model`` (sim, no GPU): the H200 model projected to the production shapes the
+decode and prefill issues name (profiling/_model.py): decode 64 x 4096 with 32/8 and 64/8 heads,
+head 128, fp16 / bf16 / fp8_e4m3; decode 1 x 32768 32/8 fp16; prefill 8 x 2048 causal 32/8 bf16
+(``--sweep`` adds decode contexts 512..16384 and prefill lengths 512 and 1024). Without either: a
+smoke run of tiny sizes on the sim (CPU timings of the simulator, not GPU timings).
 
-    python profiling/bench_paged_attention.py [--json out.json] [--quick]
+    python profiling/bench_paged_attention.py [--json out.json] [--model [--sweep]] [--quick]
     nsys profile -t cuda,nvtx python profiling/bench_paged_attention.py --quick
 """
 
@@ -15,51 +17,102 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
+import _model  # noqa: E402
 
 import cupaged  # noqa: E402
 from cupaged import sim  # noqa: E402
+from cupaged._cost import attention_cost  # noqa: E402
+from cupaged.paged_attention import ROWS, choose_split  # noqa: E402
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
+DTYPES = {"fp16": (np.float16, "auto"), "bf16": (ml_dtypes.bfloat16, "auto"), "fp8_e4m3": (np.float16, "fp8_e4m3"),
+          "fp8": (np.float16, "fp8")}
 
 
-def setup(xp, alloc, num_seqs, context, q_len, gqa, kv_cache_dtype, kv_heads=KV_HEADS, head=HEAD, block=BLOCK):
+def shape(op, batch, context, q_len, heads, kv_heads, head, kv_dtype, causal=True) -> dict:
+    return dict(op=op, batch=batch, context=context, q_len=q_len, num_heads=heads, num_kv_heads=kv_heads,
+                head_size=head, kv_dtype=kv_dtype, causal=causal)
+
+
+def cost(s: dict):
+    """The op's declared minimum bytes and FLOPs at shape ``s`` (cupaged/_cost.py)."""
+    dtype, kv = DTYPES[s["kv_dtype"]]
+    itemsize = np.dtype(dtype).itemsize
+    return attention_cost(np.full(s["batch"], s["context"]), np.full(s["batch"], s["q_len"]),
+                          num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"], head_size=s["head_size"],
+                          v_head_size=s["head_size"], kv_itemsize=1 if kv != "auto" else itemsize,
+                          q_itemsize=itemsize, out_itemsize=itemsize, block_size=BLOCK, causal=s["causal"])
+
+
+def setup(xp, alloc, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, head=HEAD, block=BLOCK,
+          kv_split_size=None):
     rng = np.random.default_rng(0)
+    dtype, kv_cache_dtype = DTYPES[kv_dtype]
     blocks_per_seq = -(-context // block)
     num_blocks = num_seqs * blocks_per_seq
-    cache_dtype = np.float16 if kv_cache_dtype == "auto" else np.uint8
+    cache_dtype = dtype if kv_cache_dtype == "auto" else np.uint8
     kc, vc = alloc((num_blocks, block, kv_heads, head), cache_dtype), alloc((num_blocks, block, kv_heads, head), cache_dtype)
     for c in (kc, vc):  # fp8 codes 0..99 are small positive e4m3 values
         c[...] = xp.asarray(rng.integers(0, 100, c.shape).astype(np.uint8) if cache_dtype == np.uint8
-                            else (rng.standard_normal(c.shape) * 0.1).astype(np.float16))
+                            else (rng.standard_normal(c.shape, np.float32) * 0.1).astype(dtype))
     tables = xp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(num_seqs, blocks_per_seq))
     seq_lens = xp.asarray(np.full(num_seqs, context, np.int32))
-    q = xp.asarray(rng.standard_normal((num_seqs * q_len, kv_heads * gqa, head)).astype(np.float16))
+    q = xp.asarray(rng.standard_normal((num_seqs * q_len, kv_heads * gqa, head), np.float32).astype(dtype))
     qsl = None if q_len == 1 else xp.asarray((np.arange(num_seqs + 1) * q_len).astype(np.int32))
-    kv_bytes = 2 * num_seqs * context * kv_heads * head * np.dtype(cache_dtype).itemsize
-    causal_pairs = num_seqs * kv_heads * gqa * (q_len * context - q_len * (q_len - 1) / 2)
-    flops = 4 * head * causal_pairs
 
     def run():
         cupaged.paged_attention(q, kc, vc, tables, seq_lens, qsl, kv_cache_dtype=kv_cache_dtype, k_scale=0.01,
-                                v_scale=0.01, max_query_len=q_len, max_seq_len=context)
+                                v_scale=0.01, max_query_len=q_len, max_seq_len=context, kv_split_size=kv_split_size)
 
-    return run, kv_bytes, flops
+    return run
 
 
-def configs(quick):
+def project(s: dict, subset: int, block_stride) -> dict:
+    """Model row of shape ``s``: its plan (the split the full batch gets) run on ``subset`` sequences."""
+    gqa = s["num_heads"] // s["num_kv_heads"]
+    tiles = -(-s["q_len"] * gqa // ROWS)
+    split = choose_split(np, s["batch"] * s["num_kv_heads"] * tiles, s["context"]) or s["context"]
+    run = setup(np, sim.empty, subset, s["context"], s["q_len"], gqa, s["kv_dtype"], s["num_kv_heads"],
+                s["head_size"], kv_split_size=split)
+    return _model.project(s, run, cost(s), s["batch"] // subset, block_stride)
+
+
+def model_shapes(sweep: bool):
+    """(shape, profiled sequences, block stride): a sample of one CTA per (sequence, split) at most."""
+    for heads, kv in itertools.product((32, 64), ("fp16", "bf16", "fp8_e4m3")):
+        yield shape("decode", 64, 4096, 1, heads, 8, HEAD, kv), 2, (1, 8, 1)
+    yield shape("decode", 1, 32768, 1, 32, 8, HEAD, "fp16"), 1, (4, 8, 1)
+    yield shape("prefill", 8, 2048, 2048, 32, 8, HEAD, "bf16"), 1, (16, 8, 1)
+    if sweep:
+        for ctx, heads, kv in itertools.product((512, 1024, 2048, 8192, 16384), (32, 64), ("fp16", "fp8_e4m3")):
+            yield shape("decode", 64, ctx, 1, heads, 8, HEAD, kv), 1, (1, 8, 1)
+        for length in (512, 1024):
+            yield shape("prefill", 8, length, length, 32, 8, HEAD, "bf16"), 1, (length // 128, 8, 1)
+
+
+def model_rows(sweep: bool) -> list:
+    rows = []
+    for s, subset, stride in model_shapes(sweep):
+        rows.append(project(s, subset, stride))
+        print(f"  modeled {_model.label(rows[-1])}: {rows[-1]['time_us']:.1f} µs", file=sys.stderr, flush=True)
+    return rows
+
+
+def gpu_configs(quick):
     batches, contexts, gqas = ((1, 64), (4096,), (8,)) if quick else ((1, 8, 64, 256), (512, 4096, 32768), (1, 4, 8))
-    for b, ctx, g, kv in itertools.product(batches, contexts, gqas, ("auto", "fp8")):
-        yield f"decode b={b} ctx={ctx} gqa={g} d={HEAD} {kv}", (b, ctx, 1, g, kv)
+    for b, ctx, g, kv in itertools.product(batches, contexts, gqas, ("fp16", "fp8_e4m3")):
+        yield shape("decode", b, ctx, 1, KV_HEADS * g, KV_HEADS, HEAD, kv)
     for chunk in (512, 2048):
-        yield f"prefill chunk={chunk} prefix={chunk} gqa=4 d={HEAD} auto", (1, 2 * chunk, chunk, 4, "auto")
+        yield shape("prefill", 1, 2 * chunk, chunk, 4 * KV_HEADS, KV_HEADS, HEAD, "fp16")
+    yield shape("prefill", 8, 2048, 2048, 32, 8, HEAD, "bf16")
 
 
 def copy_bandwidth(cp, nbytes=1 << 30):
@@ -68,44 +121,59 @@ def copy_bandwidth(cp, nbytes=1 << 30):
     return 2 * nbytes / (np.median(ms) * 1e-3) / 1e9
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", help="write every row to this file")
-    parser.add_argument("--quick", action="store_true", help="a few configs only")
-    args = parser.parse_args(argv)
-    cp = _bench.gpu()
-    rows, records = [], []
-    if cp is None:
-        for label, cfg in (("decode b=4 ctx=300 gqa=4 d=64 auto", (4, 300, 1, 4, "auto")),
-                           ("decode b=4 ctx=300 gqa=4 d=64 fp8", (4, 300, 1, 4, "fp8")),
-                           ("prefill chunk=32 prefix=32 gqa=2 d=64 auto", (1, 64, 32, 2, "auto"))):
-            run, kv_bytes, flops = setup(np, sim.empty, *cfg, kv_heads=2, head=64)
-            with _bench.nvtx_range(label):
-                rows.append(_bench.summarize(label, "v1", _bench.time_cpu(run), kv_bytes, None))
-        _bench.print_table(rows, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
-        return
+def measured_rows(cp, quick):
     device, peak = _bench.peak_bandwidth_gbps(cp)
     copy_gbps = copy_bandwidth(cp)
     free = cp.cuda.runtime.memGetInfo()[0]
-    for label, cfg in configs(args.quick):
-        b, ctx, q_len, g, kv = cfg
-        if 2 * b * ctx * KV_HEADS * HEAD * 2 > 0.4 * free:
+    rows, table = [], []
+    for s in gpu_configs(quick):
+        c = cost(s)
+        if c.min_bytes > 0.4 * free:
             continue
-        run, kv_bytes, flops = setup(cp, cp.empty, *cfg)
+        run = setup(cp, cp.empty, s["batch"], s["context"], s["q_len"], s["num_heads"] // s["num_kv_heads"],
+                    s["kv_dtype"])
+        label = _model.label(s)
         with _bench.nvtx_range(label):
             ms = _bench.time_gpu(cp, run)
-        row = _bench.summarize(label, "v1", ms, kv_bytes, peak)
-        med_s = float(np.median(ms)) * 1e-3
-        tflops = flops / med_s / 1e12
-        rows.append(row + (f"{100 * kv_bytes / med_s / 1e9 / copy_gbps:.0f}%", f"{tflops:.1f}"))
-        records.append(dict(config=label, median_us=med_s * 1e6, kv_bytes=kv_bytes, gbps=kv_bytes / med_s / 1e9,
-                            pct_spec=None if not peak else 100 * kv_bytes / med_s / 1e9 / peak,
-                            pct_copy=100 * kv_bytes / med_s / 1e9 / copy_gbps, tflops=tflops))
-    _bench.print_table(rows, f"{device}: spec {peak or '?'} GB/s, measured copy {copy_gbps:.0f} GB/s",
+        r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device,
+                       pct_of_copy_bw=100 * c.min_bytes / (np.median(ms) * 1e-3) / 1e9 / copy_gbps)
+        rows.append(r)
+        table.append(_bench.summarize(label, "v1", ms, c.min_bytes, peak) +
+                     (f"{r['pct_of_copy_bw']:.0f}%", f"{r['tflops']:.1f}"))
+    _bench.print_table(table, f"{device}: spec {peak or '?'} GB/s, measured copy {copy_gbps:.0f} GB/s",
                        extra=("% of copy", "TFLOP/s"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=device, spec_gbps=peak, copy_gbps=copy_gbps, rows=records), f, indent=1)
+    return rows, dict(device=device, spec_gbps=peak, copy_gbps=copy_gbps)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE ({'rows': [...]})")
+    parser.add_argument("--model", action="store_true", help="H200 model rows of the production shapes (sim)")
+    parser.add_argument("--sweep", action="store_true", help="with --model: decode contexts and prefill lengths too")
+    parser.add_argument("--quick", action="store_true", help="GPU: a few configs only")
+    args = parser.parse_args(argv)
+    cp = _bench.gpu()
+    if cp is not None:
+        rows, meta = measured_rows(cp, args.quick)
+        cached = _model.cached_model_rows("paged_attention")
+        if cached:
+            _model.print_model_table(cached)
+        _model.write_json(args.json, rows + cached, **meta)
+    elif args.model:
+        rows = model_rows(args.sweep)
+        _model.store_model_rows("paged_attention", rows)
+        _model.print_model_table(rows)
+        _model.write_json(args.json, rows, device="sim", model="H200")
+    else:
+        table = []
+        for s in (shape("decode", 4, 300, 1, 8, 2, 64, "fp16"), shape("decode", 4, 300, 1, 8, 2, 64, "fp8"),
+                  shape("prefill", 1, 64, 32, 4, 2, 64, "fp16")):
+            run = setup(np, sim.empty, s["batch"], s["context"], s["q_len"], 4 if s["q_len"] == 1 else 2,
+                        s["kv_dtype"], kv_heads=2, head=64)
+            with _bench.nvtx_range(_model.label(s)):
+                table.append(_bench.summarize(_model.label(s), "v1", _bench.time_cpu(run), cost(s).min_bytes, None))
+        _bench.print_table(table, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
 
 
 if __name__ == "__main__":

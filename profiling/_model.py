@@ -1,0 +1,99 @@
+"""Model rows of the benches (``--model``): a production shape projected through the sim's profiler
+and the H200 model (cupaged/sim/model.py), a proxy and never a benchmark.
+
+Projection: the shape's real plan (split size and grid, forced explicitly) is run on a subset of
+its sequences, and of those only a sample of CTAs (``block_stride``) is profiled; per-CTA figures
+are scaled to the production grid (``batch_factor`` times the profiled grid's CTAs). Valid when
+every CTA of the batch does the same work (uniform sequence lengths); invalid for ragged batches,
+and it over-counts distinct bytes that CTAs not profiled would share in L2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from cupaged._cost import Cost
+from cupaged.sim import _launch_model, profile
+from cupaged.sim.model import H200
+
+ROW_KEYS = ("op", "batch", "context", "q_len", "num_heads", "num_kv_heads", "head_size", "kv_dtype", "causal",
+            "source", "time_us", "gbps", "pct_of_peak_bw", "tflops")
+
+
+def row(shape: dict, source: str, time_us: float, cost, **extra) -> dict:
+    """A bench row: the shape's keys, the time, and bandwidth / FLOP rates against the op's declared
+    minimum bytes and FLOPs (``cost``: cupaged._cost.Cost of the production shape)."""
+    gbps = cost.min_bytes / time_us / 1e3
+    out = dict(shape, source=source, time_us=time_us, gbps=gbps,
+               pct_of_peak_bw=100 * gbps * 1e9 / H200.hbm_bytes_per_s, tflops=cost.flops / time_us / 1e6,
+               pct_of_copy_bw=100 * gbps * 1e9 / H200.copy_bytes_per_s, min_bytes=cost.min_bytes, flops=cost.flops)
+    out.update(extra)
+    missing = [k for k in ROW_KEYS if k not in out]
+    assert not missing, missing
+    return out
+
+
+def project(shape: dict, run, cost, batch_factor: int, block_stride=(1, 1, 1), fallback_bytes=0) -> dict:
+    """Profile ``run()`` (the subset) and model every launch over ``batch_factor`` times its CTAs.
+    ``cost`` None: the launches' declared minimum bytes and FLOPs, scaled (``fallback_bytes`` when
+    no launch was declared)."""
+    with profile(block_stride=block_stride) as prof:
+        run()
+    launches, total = [], 0.0
+    for launch in prof.launches:
+        m = _launch_model.model_of(launch, ctas=launch.ctas * batch_factor)
+        total += m.time_us
+        launches.append(dict(kernel=launch.kernel, grid=list(launch.grid), block=list(launch.block),
+                             shared_mem=launch.shared_mem, ctas=m.ctas, ctas_profiled=launch.ctas_profiled,
+                             ctas_per_sm=m.ctas_per_sm, registers=m.registers, unique_bytes=m.unique_bytes,
+                             bytes=m.bytes, min_bytes=m.min_bytes, traffic_ratio=m.traffic_ratio,
+                             sector_efficiency=m.sector_efficiency, wavefronts=m.wavefronts,
+                             bank_conflicts=m.bank_conflicts, modeled_us=m.time_us, bound=m.bound, flops=m.flops,
+                             terms_us=m.terms_us))
+    if cost is None:
+        declared = [x for x in launches if x["min_bytes"] is not None]
+        cost = Cost(sum(x["min_bytes"] for x in declared) or fallback_bytes,
+                    sum(m for x in declared if (m := x.get("flops")) is not None))
+    return row(shape, "model", total, cost, launches=launches)
+
+
+def label(r: dict) -> str:
+    kv = f" {r['kv_dtype']}" if r.get("kv_dtype") else ""
+    return (f"{r['op']} b={r['batch']} ctx={r['context']} q={r['q_len']} h={r['num_heads']}/{r['num_kv_heads']} "
+            f"d={r['head_size']}{kv}{' causal' if r['causal'] else ''}")
+
+
+def print_model_table(rows, title="MODEL: H200 model applied to the sim's traffic counts (a proxy, not a measurement)"):
+    head = ("config", "version", "modeled µs", "GB/s", "% of peak", "% of copy", "TFLOP/s", "bound")
+    lines = [(label(r), "v1", f"{r['time_us']:.1f}", f"{r['gbps']:.0f}", f"{r['pct_of_peak_bw']:.1f}%",
+              f"{r['pct_of_copy_bw']:.1f}%", f"{r['tflops']:.2f}",
+              "+".join(sorted({x['bound'] for x in r.get('launches', [])})) or "-") for r in rows]
+    widths = [max(len(x[i]) for x in lines + [head]) for i in range(len(head))]
+    print(title)
+    for x in [head] + lines:
+        print(" | ".join(c.ljust(w) for c, w in zip(x, widths)))
+
+
+def write_json(path: str | None, rows, **meta) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(dict(meta, rows=rows), f, indent=1)
+
+
+def cached_model_rows(bench: str) -> list:
+    """Model rows a ``--model`` run left in the per-user cache (a GPU run prints them beside its
+    measurements without re-profiling)."""
+    from cupaged.sim._cache import cache_dir, usable
+
+    path = os.path.join(cache_dir("model_rows"), f"{bench}.json")
+    if not usable(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def store_model_rows(bench: str, rows) -> None:
+    from cupaged.sim._cache import cache_dir, write_private
+
+    write_private(os.path.join(cache_dir("model_rows"), f"{bench}.json"), json.dumps(rows).encode())
