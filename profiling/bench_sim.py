@@ -8,6 +8,7 @@ plain numpy arrays (copied in and out per launch). CPU timings of the sim, not G
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -32,7 +33,8 @@ extern "C" __global__ void reverse_block(float* y) {
 """
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     module = sim.RawModule(code=SOURCE)
     axpy, reverse = module.get_function("axpy"), module.get_function("reverse_block")
     guarded = (sim.zeros(32, np.float32), sim.zeros(32, np.float32))
