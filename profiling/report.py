@@ -136,9 +136,10 @@ def _save(fig, path):
 
 
 def _config(row) -> str:
-    return row.get("config") or (f"{row.get('op')} b={row.get('batch')} ctx={row.get('context')} "
-                                 f"h={row.get('num_heads')}/{row.get('num_kv_heads')} d={row.get('head_size')} "
-                                 f"{row.get('kv_dtype')}")
+    q = f" q={row.get('q_len')}" if row.get("q_len", 1) != 1 else ""
+    kv = f" {row['kv_dtype']}" if row.get("kv_dtype") else ""
+    return row.get("config") or (f"{row.get('op')} b={row.get('batch')} ctx={row.get('context')}{q} "
+                                 f"h={row.get('num_heads')}/{row.get('num_kv_heads')} d={row.get('head_size')}{kv}")
 
 
 def _line_plot(rows, path, y, ylabel, title, xlabel, maybe, panel=None):
@@ -148,8 +149,8 @@ def _line_plot(rows, path, y, ylabel, title, xlabel, maybe, panel=None):
     fig, axes = plt.subplots(1, len(keys), figsize=(2.5 + 4.5 * len(keys), 4.2), sharey=True, squeeze=False)
     for ax, key in zip(axes[0], keys):
         lines = _series([r for r in rows if not panel or r.get(panel) == key], "context", y, ("gqa", "kv_dtype"), maybe)
-        for label, pts in lines.items():
-            ax.plot(*zip(*pts), marker="o", label=label)
+        for i, (label, pts) in enumerate(lines.items()):  # styles cycle so equal lines stay visible
+            ax.plot(*zip(*pts), marker="os^vD"[i % 5], ls=("-", "--", ":", "-.")[i % 4], label=label)
         ax.set_xscale("log", base=2)
         ax.set(title=f"{panel} {key}" if panel else "", xlabel=xlabel)
         ax.grid(alpha=0.3)

@@ -114,6 +114,17 @@ def test_series_splits_by_what_varies_at_one_x(report, rows):
     assert lines == {"all": [(1024, 10.24), (4096, 40.96)]}
 
 
+def test_kernel_launches_grouped_by_kernel(report, rows):
+    items = report.kernel_launches(rows)
+    assert [k for k, _, _ in items] == [DECODE_KERNEL] * 24 + [REDUCE_KERNEL] * 24
+    assert items[0][1] == items[24][1] == "decode b=1 ctx=512 h=8/8 d=128 fp16"
+    prefill = row("prefill", 8, 2048, 2048, 32, 8, "bf16", 1.0, 1.0)
+    merge = row("merge_attn_states", 4, 1, 1, 32, 32, None, 1.0, 0.0)
+    assert report._config(prefill) == "prefill b=8 ctx=2048 q=2048 h=32/8 d=128 bf16"
+    assert report._config(merge) == "merge_attn_states b=4 ctx=1 h=32/32 d=128"
+    assert report._config(merge | {"config": "merge 4 tokens"}) == "merge 4 tokens"
+
+
 def test_missing_data_skips_plots_with_a_note(report, tmp_path):
     measured = [row("prefill", 1, 2048, 2048, 32, 8, "bf16", 40.0, 300.0, source="measured")
                 | {"device": "NVIDIA H200"}]
