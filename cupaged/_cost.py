@@ -50,15 +50,17 @@ def visible_pairs(seq_lens, q_lens, causal: bool, window: int = 0) -> tuple[np.n
 
 def attention_cost(seq_lens, q_lens, *, num_heads: int, num_kv_heads: int, head_size: int, v_head_size: int,
                    kv_itemsize: int, q_itemsize: int, out_itemsize: int, block_size: int | None, causal: bool,
-                   window: int = 0, lse: bool = False, shared_kv: bool = False) -> Cost:
+                   window: int = 0, lse: bool = False, shared_kv: bool = False, query_start_loc: bool = True) -> Cost:
     """Paged (block_size) or dense (block_size None) attention of one batch; ``shared_kv``: MLA,
-    where a key's value is part of its latent row (read once)."""
+    where a key's value is part of its latent row (read once); ``query_start_loc``: whether the call
+    reads one (decode does not)."""
     keys, pairs = visible_pairs(seq_lens, q_lens, causal, window)
     tokens = int(np.sum(q_lens))
     row_bytes = head_size if shared_kv else head_size + v_head_size
     kv = int(keys.sum()) * num_kv_heads * row_bytes * kv_itemsize
     io = tokens * num_heads * (head_size * q_itemsize + v_head_size * out_itemsize + (4 if lse else 0))
     tables = 4 * int(np.sum(-(-np.asarray(seq_lens, np.int64) // block_size))) if block_size else 0
-    lengths = 4 * (2 * len(np.atleast_1d(seq_lens)) + 1)
+    seqs = len(np.atleast_1d(seq_lens))
+    lengths = 4 * (seqs + (seqs + 1 if query_start_loc else 0))
     flops = 2 * (head_size + v_head_size) * num_heads * int(pairs.sum())
     return Cost(kv + io + tables + lengths, flops)

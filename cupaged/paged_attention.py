@@ -121,7 +121,8 @@ def launch(xp, q, key_cache, value_cache, caches, block_tables, seq_lens, query_
         return attention_cost(lens, q_lens, num_heads=num_heads, num_kv_heads=caches["kv_heads"], head_size=head_size,
                               v_head_size=v_head_size, kv_itemsize=key_cache.itemsize, q_itemsize=q.itemsize,
                               out_itemsize=out.itemsize, block_size=caches["block_size"] if block_tables is not None
-                              else None, causal=causal, window=window, lse=lse is not None, shared_kv=mla)
+                              else None, causal=causal, window=window, lse=lse is not None, shared_kv=mla,
+                              query_start_loc=query_start_loc is not None)
 
     with op_range(op, label):
         with declare_launch(xp, op, label, cost):

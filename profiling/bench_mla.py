@@ -44,7 +44,7 @@ def cost(s, block=BLOCK):
     return attention_cost(np.full(s["batch"], s["context"]), np.ones(s["batch"], np.int64), num_heads=s["num_heads"],
                           num_kv_heads=1, head_size=RANK + ROPE, v_head_size=RANK,
                           kv_itemsize=1 if kv != "auto" else itemsize, q_itemsize=itemsize, out_itemsize=itemsize,
-                          block_size=block, causal=True, shared_kv=True)
+                          block_size=block, causal=True, shared_kv=True, query_start_loc=False)
 
 
 def decode(xp, alloc, s, block=BLOCK, kv_split_size=None):

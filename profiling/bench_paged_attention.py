@@ -49,6 +49,7 @@ def cost(s: dict):
     return attention_cost(np.full(s["batch"], s["context"]), np.full(s["batch"], s["q_len"]),
                           num_heads=s["num_heads"], num_kv_heads=s["num_kv_heads"], head_size=s["head_size"],
                           v_head_size=s["head_size"], kv_itemsize=1 if kv != "auto" else itemsize,
+                          query_start_loc=s["q_len"] > 1,
                           q_itemsize=itemsize, out_itemsize=itemsize, block_size=BLOCK, causal=s["causal"])
 
 

@@ -18,10 +18,13 @@ from cupaged._cost import attention_cost, visible_pairs
 def test_decode_cost_by_hand():
     # 2 sequences of 5 and 3 keys, 4 query heads over 2 KV heads, head 8, fp16 everywhere, blocks of 4:
     # K/V 8 keys x 2 heads x 16 values x 2 B = 512; q + out 2 tokens x 4 heads x 32 B = 256;
-    # tables (2 + 1 blocks) x 4 = 12; lengths (2 seq_lens + 3 query_start_loc) x 4 = 20
-    c = attention_cost([5, 3], [1, 1], num_heads=4, num_kv_heads=2, head_size=8, v_head_size=8, kv_itemsize=2,
-                       q_itemsize=2, out_itemsize=2, block_size=4, causal=True)
-    assert c.min_bytes == 512 + 256 + 12 + 20
+    # tables (2 + 1 blocks) x 4 = 12; 2 seq_lens x 4 = 8 (a decode reads no query_start_loc; a
+    # prefill's 3 entries add 12)
+    kw = dict(num_heads=4, num_kv_heads=2, head_size=8, v_head_size=8, kv_itemsize=2, q_itemsize=2, out_itemsize=2,
+              block_size=4, causal=True)
+    c = attention_cost([5, 3], [1, 1], **kw, query_start_loc=False)
+    assert c.min_bytes == 512 + 256 + 12 + 8
+    assert attention_cost([5, 3], [1, 1], **kw).min_bytes == c.min_bytes + 12
     assert c.flops == 2 * 16 * 4 * (5 + 3)
 
 
@@ -38,8 +41,9 @@ def test_visible_pairs_of_a_prefill_chunk(causal, window, keys, pairs):
 
 def test_mla_reads_a_latent_row_once():
     c = attention_cost([4], [1], num_heads=16, num_kv_heads=1, head_size=576, v_head_size=512, kv_itemsize=2,
-                       q_itemsize=2, out_itemsize=2, block_size=64, causal=True, lse=True, shared_kv=True)
-    assert c.min_bytes == 4 * 576 * 2 + 16 * (576 * 2 + 512 * 2 + 4) + 4 + 4 * 3
+                       q_itemsize=2, out_itemsize=2, block_size=64, causal=True, lse=True, shared_kv=True,
+                       query_start_loc=False)
+    assert c.min_bytes == 4 * 576 * 2 + 16 * (576 * 2 + 512 * 2 + 4) + 4 + 4
     assert c.flops == 2 * (576 + 512) * 16 * 4
 
 

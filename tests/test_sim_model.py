@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from cupaged.sim import model
+from cupaged.sim import _launch_model, model
 from cupaged.sim.model import H200, Terms
 
 
@@ -61,3 +62,60 @@ def test_tail_wave_and_compute_terms():
 def test_empty_launch_costs_the_overhead():
     us, bound, waves, _ = model.launch_time_us(_terms(), 0, 4)
     assert (us, bound, waves) == (2.0, "launch", 0)
+
+
+COPY = r"""
+extern "C" __global__ void copy_f32(const float* src, float* dst, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[i] = src[i];
+}
+"""
+
+
+def test_model_of_a_profiled_copy():
+    # 132 CTAs x 128 threads, one float each: 512 B read + 512 B written per CTA, one 4-byte load in
+    # flight per thread (512 B per CTA). One wave (a handful of registers: 16 CTAs/SM fit), one CTA per
+    # SM: Little's law gives 132 x 512 B / 0.8 µs = 84.48 GB/s, so the latency term bounds:
+    # 132 x 1024 B / 84.48 GB/s = 1.6 µs, plus the 2 µs launch.
+    from cupaged import sim
+
+    n = 132 * 128
+    src = sim.asarray(np.arange(n, dtype=np.float32))
+    dst = sim.zeros(n, np.float32)
+    kernel = sim.RawModule(code=COPY).get_function("copy_f32")
+    with sim.profile() as prof:
+        kernel((132,), (128,), (src, dst, np.int32(n)))
+    np.testing.assert_array_equal(dst, src)
+    m = prof.launches[0].model
+    assert (m.ctas, m.waves, m.bound, m.unique_bytes, m.bytes) == (132, 1, "latency", 2 * 4 * n, 2 * 4 * n)
+    assert m.ctas_per_sm == 16 and m.min_bytes is None and m.traffic_ratio is None
+    assert m.time_us == pytest.approx(2.0 + 1.6)
+    projected = _launch_model.model_of(prof.launches[0], ctas=132 * 16 * 3)  # 3 full waves, 16 CTAs per SM
+    assert (projected.waves, projected.bound) == (3, "latency")
+    assert projected.time_us == pytest.approx(2.0 + 3 * 1024 * 132 * 16 / (512 * 16 * 132 / 0.8e-6) * 1e6)
+    table = prof.table()
+    assert "copy_f32" in table and "132×1×1 × 128×1×1" in table and "a proxy, not a measurement" in table
+
+
+def test_a_profiled_decode_declares_its_minimum():
+    # Decode of 3 sequences over a paged fp16 cache: the launch carries the op's declared minimum
+    # (cupaged/_cost.py), and the kernel moves close to it (each K/V byte once, fp32 partials none).
+    import cupaged
+    from cupaged import sim
+    from cupaged._cost import attention_cost
+
+    rng = np.random.default_rng(1)
+    kc = sim.asarray(rng.standard_normal((12, 16, 2, 64)).astype(np.float16))
+    vc = sim.asarray(rng.standard_normal((12, 16, 2, 64)).astype(np.float16))
+    q = rng.standard_normal((3, 8, 64)).astype(np.float16)
+    tables = rng.permutation(12).astype(np.int32).reshape(3, 4)
+    lens = np.array([64, 37, 50], np.int32)
+    with sim.profile() as prof:
+        cupaged.paged_attention(q, kc, vc, tables, lens, kv_split_size=64)
+    launch = prof.launches[0]
+    want = attention_cost(lens, [1, 1, 1], num_heads=8, num_kv_heads=2, head_size=64, v_head_size=64, kv_itemsize=2,
+                          q_itemsize=2, out_itemsize=2, block_size=16, causal=True, query_start_loc=False)
+    assert (launch.declared.op, launch.declared.min_bytes, launch.declared.flops) == ("decode", want.min_bytes, want.flops)
+    kv = sum(launch.args[k].unique_bytes_read for k in ("key_cache", "value_cache"))
+    assert kv == 2 * int(lens.sum()) * 2 * 64 * 2  # every visible K/V byte once, nothing past seq_len
+    assert 1.0 <= launch.model.traffic_ratio < 1.1
