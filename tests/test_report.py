@@ -1,5 +1,5 @@
-"""profiling/report.py on synthetic rows (the real benches are too slow for the suite), and --help of
-every profiling script."""
+"""profiling/report.py and its _report_plots.py on synthetic rows (the real benches are too slow for
+the suite), and --help of every profiling script."""
 
 from __future__ import annotations
 
@@ -21,12 +21,21 @@ REDUCE_KERNEL = "cupaged::paged_attention_reduce_kernel<__half>"
 NEVER_KERNEL = "cupaged::never_launched<float>"
 
 
-@pytest.fixture(scope="module")
-def report():
-    spec = importlib.util.spec_from_file_location("report", os.path.join(PROFILING, "report.py"))
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(PROFILING, name + ".py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load("report")
+
+
+@pytest.fixture(scope="module")
+def plots():
+    return load("_report_plots")
 
 
 def launch(kernel, block, shared_mem, traffic_ratio, bank_conflicts):
@@ -103,29 +112,29 @@ def test_write_report(report, rows, tmp_path):
     assert never.endswith("| 40 / 40 | 0/0 / 0/0 | 16 / 16 | - / - | - |")
 
 
-def test_series_splits_by_what_varies_at_one_x(report, rows):
+def test_series_splits_by_what_varies_at_one_x(plots, rows):
     decode = [r for r in rows if r["op"] == "decode" and r["batch"] == 1]
-    lines = report._series(decode, "context", "pct_of_peak_bw", ("gqa", "kv_dtype"), ("head_size", "source"))
+    lines = plots._series(decode, "context", "pct_of_peak_bw", ("gqa", "kv_dtype"), ("head_size", "source"))
     assert sorted(lines) == ["gqa=1 kv_dtype=fp16", "gqa=1 kv_dtype=fp8_e4m3", "gqa=8 kv_dtype=fp16",
                              "gqa=8 kv_dtype=fp8_e4m3"]
     assert lines["gqa=8 kv_dtype=fp16"] == [(512, 25), (4096, 55), (32768, 85)]
     prefill = [r for r in rows if r["op"] == "prefill"]
-    lines = report._series(prefill, "context", "tflops", (), ("q_len", "batch"))
+    lines = plots._series(prefill, "context", "tflops", (), ("q_len", "batch"))
     assert lines == {"all": [(1024, 10.24), (4096, 40.96)]}
 
 
-def test_kernel_launches_grouped_by_kernel(report, rows):
-    items = report.kernel_launches(rows)
+def test_kernel_launches_grouped_by_kernel(plots, rows):
+    items = plots.kernel_launches(rows)
     assert [k for k, _, _ in items] == [DECODE_KERNEL] * 24 + [REDUCE_KERNEL] * 24
     assert items[0][1] == items[24][1] == "decode b=1 ctx=512 h=8/8 d=128 fp16"
     prefill = row("prefill", 8, 2048, 2048, 32, 8, "bf16", 1.0, 1.0)
     merge = row("merge_attn_states", 4, 1, 1, 32, 32, None, 1.0, 0.0)
-    assert report._config(prefill) == "prefill b=8 ctx=2048 q=2048 h=32/8 d=128 bf16"
-    assert report._config(merge) == "merge_attn_states b=4 ctx=1 h=32/32 d=128"
-    assert report._config(merge | {"config": "merge 4 tokens"}) == "merge 4 tokens"
+    assert plots._config(prefill) == "prefill b=8 ctx=2048 q=2048 h=32/8 d=128 bf16"
+    assert plots._config(merge) == "merge_attn_states b=4 ctx=1 h=32/32 d=128"
+    assert plots._config(merge | {"config": "merge 4 tokens"}) == "merge 4 tokens"
 
 
-def test_missing_data_skips_plots_with_a_note(report, tmp_path):
+def test_missing_data_skips_plots_with_a_note(report, plots, tmp_path):
     measured = [row("prefill", 1, 2048, 2048, 32, 8, "bf16", 40.0, 300.0, source="measured")
                 | {"device": "NVIDIA H200"}]
     notes = report.write_report(measured, str(tmp_path))
@@ -134,8 +143,8 @@ def test_missing_data_skips_plots_with_a_note(report, tmp_path):
                      "kernel_traffic.png skipped: no model rows with launches"]
     assert sorted(os.listdir(tmp_path)) == ["index.md", "prefill_tflops.png", "rows.json"]
     assert "decode_bandwidth.png skipped" in (tmp_path / "index.md").read_text()
-    assert report._title("x", measured) == "x\nmeasured on NVIDIA H200"
-    assert report._title("x", measured + [{"source": "model"}]).endswith(
+    assert plots._title("x", measured) == "x\nmeasured on NVIDIA H200"
+    assert plots._title("x", measured + [{"source": "model"}]).endswith(
         "measured on NVIDIA H200 and modeled (H200 model, not a measurement)")
 
 
