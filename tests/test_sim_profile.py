@@ -10,7 +10,11 @@ banks of 4 bytes; an access of <= 4 bytes per lane costs the largest number of d
 bank is asked for (a word shared by lanes is a broadcast), 16-byte accesses go in 4 phases of 8
 lanes; ideal 1 per access (phase), conflicts = wavefronts - ideal; ``ldmatrix`` costs 1 per 8x8
 matrix whose 8 rows (16 bytes = 4 banks) fall in distinct bank groups. ``cp_async_bytes``: bytes
-copied by cp.async; ``mma_flops``: 2*M*N*K per warp-level mma.sync.
+copied by cp.async; ``mma_flops``: 2*M*N*K per warp-level mma.sync. ``shared.by_line``: the
+wavefronts per source line of the instructions (an int: a line of the module's code; an emulated
+PTX instruction: its asm statement's line; an access inside a sim helper: the calling line).
+``block_stride``: only CTAs at multiples of it run. A by-value struct's field that points into a
+guarded array is an argument named ``param.field``.
 
 Expected numbers are derived in the comments from these definitions, not read off the profiler.
 Arrays are multiples of 128 bytes (the sim ends each at a page boundary, so it starts 128-byte
@@ -21,6 +25,7 @@ compiles under NVRTC (sm_80) and checks its results, unprofiled and profiled.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import numpy as np
@@ -315,3 +320,145 @@ def test_cp_async_double_buffer_keeps_a_stage_in_flight():
     rec = profiled("cp_async_sum", (1,), (64,), (src, dst, np.int32(4)), dst, src.reshape(4, 256).sum(axis=0))
     # two committed groups of 16 bytes per thread before the first wait: 64 x 32 B, two stages
     assert rec.max_inflight_bytes_per_cta == 64 * 32 >= 64 * 16
+
+
+def line_of(text, marker):
+    """1-based line of the only line of ``text`` that contains ``marker``."""
+    (index,) = [i for i, row in enumerate(text.splitlines()) if marker in row]
+    return index + 1
+
+
+def test_shared_by_line_transpose():
+    a, out = f32(1024).reshape(32, 32), sim.zeros((32, 32), np.float32)
+    naive, padded = (profiled(k, (1,), (32, 32), (a, out), out, a.T).shared for k in ("transpose_naive", "transpose_padded"))
+    rows, columns = line_of(SRC, "// row-wise"), line_of(SRC, "// column-wise")
+    # (keys: lines of the module's code) Naive: the row-wise store costs 1 wavefront per warp; the
+    # column-wise load 32, all 31 x 32 extra wavefronts of the launch.
+    assert set(naive.by_line) == {rows, columns}
+    assert (naive.by_line[rows].wavefronts, naive.by_line[rows].bank_conflicts) == (32, 0)
+    assert (naive.by_line[columns].wavefronts, naive.by_line[columns].ideal_wavefronts) == (1024, 32)
+    assert naive.by_line[columns].bank_conflicts == 31 * 32 == naive.bank_conflicts
+    assert set(padded.by_line) == {rows, columns}
+    assert all((r.wavefronts, r.bank_conflicts) == (32, 0) for r in padded.by_line.values())
+    for sh in (naive, padded):  # the lines sum to the launch
+        assert sum(r.wavefronts for r in sh.by_line.values()) == sh.wavefronts
+        assert sum(r.ideal_wavefronts for r in sh.by_line.values()) == sh.ideal_wavefronts
+
+
+def test_shared_by_line_of_emulated_ptx():
+    out, lane = sim.zeros(32, np.uint32), np.arange(32)
+    sh = profiled("ldmatrix_rows", (1,), (32,), (out, np.int32(32)), out, 32 * (lane // 4) + lane % 4).shared
+    # the fill loop: 8 stores of 1 wavefront; the ldmatrix (keyed by its asm statement's line): 8 (see above)
+    fill, ldmatrix = line_of(SRC, "buf[lane + 32 * j] ="), line_of(SRC, "ldmatrix.sync.aligned.m8n8.x1")
+    assert {k: (r.wavefronts, r.ideal_wavefronts) for k, r in sh.by_line.items()} == {fill: (8, 8), ldmatrix: (8, 1)}
+    src, dst = f32(1024), sim.zeros(256, np.float32)
+    sh = profiled("cp_async_sum", (1,), (64,), (src, dst, np.int32(4)), dst, src.reshape(4, 256).sum(axis=0)).shared
+    # cp.async writes 16 bytes per lane: 4 phases per warp, 2 warps, 4 tiles; the float4 reads the same
+    copy, read = line_of(SRC, '"cp.async.cg.shared.global'), line_of(SRC, "const float4 v =")
+    assert {k: (r.wavefronts, r.ideal_wavefronts) for k, r in sh.by_line.items()} == {copy: (32, 32), read: (32, 32)}
+
+
+EXTRA = r"""
+// One float per thread over a 3-D grid of 1-D blocks.
+extern "C" __global__ void copy_grid(const float* src, float* dst) {
+  const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int i = block * blockDim.x + threadIdx.x;
+  dst[i] = src[i];
+}
+// Eight independent loads at eight sites before the barrier that consumes them.
+extern "C" __global__ void eight_loads(const float* src, float* dst) {
+  const float* p = src + threadIdx.x;
+  const float acc = p[0] + p[128] + p[256] + p[384] + p[512] + p[640] + p[768] + p[896];
+  __syncthreads();
+  dst[threadIdx.x] = acc;
+}
+// Each warp adds 1 to the 32 words of s (atomicAdd is a function of the sim's headers).
+extern "C" __global__ void shared_atomics(float* out) {
+  __shared__ float s[32];
+  s[threadIdx.x % 32] = 0.f;
+  __syncthreads();
+  atomicAdd(&s[threadIdx.x % 32], 1.f);
+  __syncthreads();
+  out[threadIdx.x] = s[threadIdx.x % 32];
+}
+// A struct passed by value whose fields point to the arrays.
+struct P {
+  const float* src;  // [n]
+  float* dst;        // [n]
+  int n;
+};
+extern "C" __global__ void copy_struct(P p) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < p.n) p.dst[i] = p.src[i];
+}
+"""
+
+
+def test_extra_sources_compile_under_nvrtc():
+    from cupaged._nvrtc import compile_cubin
+
+    assert compile_cubin(EXTRA, arch="sm_80", options=("-std=c++17",)).cubin
+
+
+def extra(name):
+    return sim.RawModule(code=EXTRA, options=("-std=c++17",)).get_function(name)
+
+
+def test_shared_by_line_inside_a_sim_helper():
+    out = sim.zeros(64, np.float32)
+    with sim.profile() as prof:
+        extra("shared_atomics")((1,), (64,), (out,))
+    np.testing.assert_array_equal(out, np.full(64, 2))
+    # the accesses inside atomicAdd (a read and a write per warp) belong to the line that calls it
+    lines = {line_of(EXTRA, marker): n for marker, n in (("= 0.f;", 2), ("atomicAdd(&s", 4), ("out[threadIdx.x] = s", 2))}
+    assert {k: (r.wavefronts, r.ideal_wavefronts) for k, r in prof.launches[0].shared.by_line.items()} == {
+        line: (n, n) for line, n in lines.items()}
+
+
+def test_block_stride_samples_ctas():
+    grid, n = (8, 3, 2), 48 * 64
+    src, dst = f32(n), sim.zeros(n, np.float32)
+    with sim.profile() as full:
+        extra("copy_grid")(grid, (64,), (src, dst))
+    dst[...] = 0
+    with sim.profile(block_stride=(2, 2, 2)) as sampled:
+        extra("copy_grid")(grid, (64,), (src, dst))
+    f, s = full.launches[0], sampled.launches[0]
+    assert (f.ctas, f.ctas_profiled) == (48, 48)
+    assert (s.ctas, s.ctas_profiled) == (48, 4 * 2 * 1)  # x in {0,2,4,6}, y in {0,2}, z = 0
+    for name in ("src", "dst"):  # every CTA moves the same bytes: a sixth of the grid, a sixth of the counts
+        assert dataclasses.astuple(f.args[name]) == tuple(6 * v for v in dataclasses.astuple(s.args[name]))
+    assert s.args["dst"].bytes_written == 8 * 64 * 4 and s.args["dst"].sectors_written == 8 * 2 * 4
+    ran = np.zeros(grid[::-1], bool)  # [z, y, x]
+    ran[0, ::2, ::2] = True
+    want = np.where(np.repeat(ran.reshape(-1), 64), src, 0)  # skipped CTAs write nothing
+    np.testing.assert_array_equal(dst, want)
+
+
+def test_bytes_in_flight_of_every_load_site():
+    """All eight loads count, wherever their code lies (sites at odd addresses were taken for emulated
+    instructions and left out): 128 threads x 8 x 4 B."""
+    src, dst = f32(1024), sim.zeros(128, np.float32)
+    with sim.profile() as prof:
+        extra("eight_loads")((1,), (128,), (src, dst))
+    np.testing.assert_array_equal(dst, src.reshape(8, 128).sum(axis=0))
+    assert prof.launches[0].max_inflight_bytes_per_cta == 128 * 8 * 4
+
+
+def test_pointers_inside_a_struct_argument():
+    n = 1000
+    src, dst = f32(1024), sim.zeros(1024, np.float32)
+    struct = np.dtype([("src", np.uint64), ("dst", np.uint64), ("n", np.int32)], align=True)
+    p = np.array((src.ctypes.data, dst.ctypes.data, n), dtype=struct)[()]
+    for ctx in (contextlib.nullcontext(), sim.profile()):
+        dst[...] = 0
+        with ctx as prof:
+            extra("copy_struct")((8,), (128,), (p,))
+        np.testing.assert_array_equal(dst[:n], src[:n])
+        assert not dst[n:].any()
+    rec = prof.launches[0]
+    assert set(rec.args) == {"p.src", "p.dst"}  # param.field, for fields that point into guarded arrays
+    a, b = rec.args["p.src"], rec.args["p.dst"]
+    # 1000 floats each way; warps 0..30 touch 4 sectors, warp 31 (floats 992..999) one
+    assert (a.bytes_read, a.unique_bytes_read, a.sectors_read, a.bytes_written) == (4000, 4000, 125, 0)
+    assert (b.bytes_written, b.unique_bytes_written, b.sectors_written, b.bytes_read) == (4000, 4000, 125, 0)

@@ -214,12 +214,12 @@ class RawKernel:
                 cvals[i] = ctypes.c_void_p(staged.ptr[i])
             ptrs[i] = ctypes.addressof(cvals[i])
         order, seed = _order()
-        probe = _profile.LaunchProbe(self.param_names, staged) if _profile.active() else None
+        probe = _profile.LaunchProbe(self, args, staged) if _profile.active() else None
         lib, launch, dyn_offset = self.module._variant(self.index, probe is not None)
         cfg = _LaunchConfig(grid, block, shared_mem, order, seed,
                             float(os.environ.get("CUPAGED_SIM_TIMEOUT", "300")), dyn_offset, poison_byte())
         if probe is not None:
-            cfg.profile = ctypes.addressof(probe.struct)
+            cfg.profile = probe.structs.address
         elif _compile.bounds_checked():  # the instrumented build looks every access up in this table
             table = regions()  # [n, 4] uint64: every live guarded array, sorted (alive until the launch ends)
             cfg.regions, cfg.nregions = table.ctypes.data, len(table)
@@ -230,9 +230,11 @@ class RawKernel:
                 if rc:
                     staged.repair()
                     raise self._error(rc, err, staged, shared_mem)
+                if probe is not None:
+                    probe.take_sites()  # the engine's table, which the next launch reuses
             staged.check_slack()
             if probe is not None:
-                probe.record(self.name, grid, block, shared_mem)
+                probe.record(lib, grid, block, shared_mem)
         finally:
             staged.finish()
 

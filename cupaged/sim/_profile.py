@@ -3,41 +3,33 @@
 Inside ``with sim.profile() as prof:`` each launch runs a second, instrumented build of its module
 (g++ ``-fsanitize=thread`` whose entry points are the sim's own: cupaged_sim_profile.h) and appends
 a :class:`Launch` to ``prof.launches``. Per pointer argument: bytes requested, distinct bytes and
-32-byte sectors touched per warp-level instruction; shared-memory wavefronts against the ideal;
-``cp.async`` bytes and ``mma.sync`` FLOPs counted by the emulations.
+32-byte sectors touched per warp-level instruction; shared-memory wavefronts against the ideal, in
+total and per source line (``shared.by_line``); ``cp.async`` bytes and ``mma.sync`` FLOPs counted
+by the emulations. A pointer held in a field of a struct passed by value counts as an argument
+named ``param.field`` when it points into a live guarded sim array.
 
 ``max_inflight_bytes_per_cta``: the bytes a CTA keeps in flight, a documented approximation: a
 plain global load counts until its thread's next scheduling point (at most 8 loads per lane), a
 ``cp.async`` group from its commit until a wait covers it; a CTA's figure is the sum of its
 threads' peaks (they run concurrently on a GPU), the largest over the grid's CTAs.
 
-A first step of the profiler: the H200 time model, ``prof.table()``, per-line shared detail and
-struct-field pointers come with the rest of the profiler work.
+``sim.profile(block_stride=(sx, sy, sz))`` runs only the CTAs whose blockIdx is a multiple of the
+stride in every dimension (the others are skipped: their outputs are not written), for a quick
+projection of a big grid; ``ctas`` and ``ctas_profiled`` of each launch say how many were sampled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
+import functools
 
 import numpy as np
 
-__all__ = ["profile", "Profile", "Launch", "ArgTraffic", "SharedTraffic"]
+from cupaged.sim import _lines
+from cupaged.sim._probe import LaunchStructs, pointer_fields
 
-
-class _ProfArg(ctypes.Structure):  # ProfArg in cupaged_sim_profile.h
-    _fields_ = [("lo", ctypes.c_ulonglong), ("hi", ctypes.c_ulonglong), ("bytes_read", ctypes.c_ulonglong),
-                ("bytes_written", ctypes.c_ulonglong), ("sectors_read", ctypes.c_ulonglong),
-                ("sectors_written", ctypes.c_ulonglong), ("useful_read", ctypes.c_ulonglong),
-                ("useful_written", ctypes.c_ulonglong), ("seen_read", ctypes.c_void_p),
-                ("seen_written", ctypes.c_void_p)]
-
-
-class _ProfLaunch(ctypes.Structure):  # ProfLaunch in cupaged_sim_profile.h
-    _fields_ = [("nargs", ctypes.c_int), ("args", ctypes.POINTER(_ProfArg)), ("wavefronts", ctypes.c_ulonglong),
-                ("ideal_wavefronts", ctypes.c_ulonglong), ("cp_async_bytes", ctypes.c_ulonglong),
-                ("mma_flops", ctypes.c_ulonglong), ("max_inflight_bytes_per_cta", ctypes.c_ulonglong)]
+__all__ = ["profile", "Profile", "Launch", "ArgTraffic", "SharedTraffic", "declare", "declared"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +54,14 @@ class ArgTraffic:
 
 @dataclasses.dataclass(frozen=True)
 class SharedTraffic:
-    """Shared-memory wavefronts of one launch (32 banks of 4 bytes)."""
+    """Shared-memory wavefronts (32 banks of 4 bytes) of one launch or of one source line.
+
+    ``by_line`` (a launch's only): per source location of the instructions, a SharedTraffic of its
+    own; the key is the 1-based line in the module's code (an int) or ``"path:line"`` in a header."""
 
     wavefronts: int
     ideal_wavefronts: int
+    by_line: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def bank_conflicts(self) -> int:
@@ -85,22 +81,47 @@ class Launch:
     cp_async_bytes: int
     mma_flops: int
     max_inflight_bytes_per_cta: int
+    ctas: int  # the grid's CTAs
+    ctas_profiled: int  # the CTAs that ran (all but with a block_stride)
+    declared: object = None  # the innermost declare() around the launch, e.g. the op's minimum traffic
+    source: str = dataclasses.field(default="", repr=False, compare=False)  # the module's code
+    options: tuple = dataclasses.field(default=(), repr=False, compare=False)  # and its compile options
+
+    @functools.cached_property
+    def model(self):
+        """The H200 time model of this launch (cupaged/sim/_launch_model.py)."""
+        from cupaged.sim import _launch_model
+
+        return _launch_model.model_of(self)
 
 
 class Profile:
     """The launches recorded inside one ``with sim.profile()`` block."""
 
-    def __init__(self):
+    def __init__(self, block_stride=(1, 1, 1)):
+        self.block_stride = tuple(int(s) for s in block_stride)
+        if len(self.block_stride) != 3 or min(self.block_stride) < 1:
+            raise ValueError(f"block_stride must be 3 positive ints, got {block_stride!r}")
         self.launches: list[Launch] = []
+
+    def table(self) -> str:
+        """The launches' H200 model as a table (cupaged/sim/_launch_model.py)."""
+        from cupaged.sim import _launch_model
+
+        return _launch_model.table(self.launches)
 
 
 _ACTIVE: list[Profile] = []
+_DECLARED: list = []
 
 
 @contextlib.contextmanager
-def profile():
-    """Record every sim launch made inside the block: ``with sim.profile() as prof: ...``."""
-    prof = Profile()
+def profile(block_stride=(1, 1, 1)):
+    """Record every sim launch made inside the block: ``with sim.profile() as prof: ...``.
+
+    ``block_stride``: run only the CTAs whose blockIdx.{x,y,z} are multiples of it (the innermost
+    active profile's stride applies; the skipped CTAs write nothing)."""
+    prof = Profile(block_stride)
     _ACTIVE.append(prof)
     try:
         yield prof
@@ -112,31 +133,53 @@ def active() -> bool:
     return bool(_ACTIVE)
 
 
+@contextlib.contextmanager
+def declare(obj):
+    """Launches made inside ``with declare(obj):`` record ``obj`` as their ``declared``."""
+    _DECLARED.append(obj)
+    try:
+        yield obj
+    finally:
+        _DECLARED.pop()
+
+
+def declared():
+    """The innermost :func:`declare`'s object, or None."""
+    return _DECLARED[-1] if _DECLARED else None
+
+
 class LaunchProbe:
-    """The counters of one launch: built before it, read into a :class:`Launch` after it."""
+    """The counters of one launch of ``kernel``: built before it, read into a :class:`Launch` after."""
 
-    def __init__(self, names, staged):
-        self.names, self._keep = [], []
-        rows = []
-        for i, buf in sorted(staged.buffers.items()):
-            lo, hi = buf.valid
-            seen = np.zeros((2, hi - lo), np.uint8)
-            self._keep.append(seen)
-            rows.append(_ProfArg(lo, hi, 0, 0, 0, 0, 0, 0, seen[0].ctypes.data, seen[1].ctypes.data))
-            self.names.append(names[i])
-        self._args = (_ProfArg * max(1, len(rows)))(*rows)
-        self.struct = _ProfLaunch(len(rows), self._args, 0, 0, 0, 0, 0)
+    def __init__(self, kernel, args, staged):
+        self.kernel, self.declared = kernel, declared()
+        ranges = [(kernel.param_names[i], *buf.valid) for i, buf in sorted(staged.buffers.items())]
+        ranges += pointer_fields(kernel.param_names, kernel.param_types, args)
+        self.names = [name for name, _, _ in ranges]
+        self.structs = LaunchStructs([(lo, hi) for _, lo, hi in ranges], _ACTIVE[-1].block_stride)
+        self.sites = []
 
-    def record(self, kernel, grid, block, shared_mem) -> None:
+    def take_sites(self) -> None:
+        """Copies the engine's per-site shared-memory counts (call before the next launch)."""
+        self.sites = self.structs.sites()
+
+    def record(self, lib, grid, block, shared_mem) -> None:
         args = {}
         for k, name in enumerate(self.names):
-            a, seen = self._args[k], self._keep[k]
-            args[name] = ArgTraffic(a.bytes_read, a.bytes_written, int(np.count_nonzero(seen[0])),
-                                    int(np.count_nonzero(seen[1])), a.sectors_read, a.sectors_written,
+            a, (read, written) = self.structs.args[k], self.structs.seen[k]
+            args[name] = ArgTraffic(a.bytes_read, a.bytes_written, int(np.bitwise_count(read).sum()),
+                                    int(np.bitwise_count(written).sum()), a.sectors_read, a.sectors_written,
                                     a.useful_read + a.useful_written)
-        s = self.struct
-        launch = Launch(kernel, tuple(grid), tuple(block), int(shared_mem), args,
-                        SharedTraffic(s.wavefronts, s.ideal_wavefronts), s.cp_async_bytes, s.mma_flops,
-                        s.max_inflight_bytes_per_cta)
+        where = _lines.locations(lib, [site for site, _, _ in self.sites])
+        by_line = {}
+        for site, wavefronts, ideal in self.sites:
+            old = by_line.get(where[site], SharedTraffic(0, 0))
+            by_line[where[site]] = SharedTraffic(old.wavefronts + wavefronts, old.ideal_wavefronts + ideal)
+        s = self.structs.launch
+        module = self.kernel.module
+        launch = Launch(self.kernel.name, tuple(grid), tuple(block), int(shared_mem), args,
+                        SharedTraffic(s.wavefronts, s.ideal_wavefronts, by_line), s.cp_async_bytes, s.mma_flops,
+                        s.max_inflight_bytes_per_cta, int(np.prod(grid)), s.ctas_profiled, self.declared,
+                        module.code, module.options)
         for prof in _ACTIVE:
             prof.launches.append(launch)

@@ -21,7 +21,6 @@
 #include <sys/time.h>
 #include <unistd.h>
 #include <algorithm>
-#include <unordered_map>
 #include <vector>
 #if !defined(__x86_64__)
 #include <ucontext.h>
@@ -751,6 +750,7 @@ static int run_launch(const LaunchConfig* cfg) {
   g.order = cfg->order;
   g.poison = cfg->poison;
   g_prof = static_cast<ProfLaunch*>(cfg->profile);
+  CUPAGED_SIM_PROF(prof_launch_start());
   g_regions = static_cast<const Region*>(cfg->regions);
   g_nregions = cfg->nregions;
   build_granules();
@@ -797,6 +797,7 @@ static int run_launch(const LaunchConfig* cfg) {
     for (unsigned long long i = 0; i < nblocks && rc == OK; ++i) {
       unsigned long long b = g.order == 1 ? nblocks - 1 - i
                            : g.order == 2 ? (unsigned long long)(((unsigned __int128)a * i + c) % nblocks) : i;
+      CUPAGED_SIM_PROF(if (!prof_sampled(b, cfg->grid)) continue;)  // sim.profile(block_stride=...)
       rc = run_block(unsigned(b % cfg->grid[0]), unsigned(b / cfg->grid[0] % cfg->grid[1]),
                      unsigned(b / ((unsigned long long)cfg->grid[0] * cfg->grid[1])), tls, fill);
       if (rc == OK && smem < protect_from) {

@@ -112,8 +112,7 @@ CUPAGED_SIM_PROF(__attribute__((no_sanitize_thread))) void matrix_compute(int ba
         for (int q = 0; q < r; ++q) repeat |= row[i][q] == row[i][r];
         if (!repeat) worst = std::max(worst, ++groups[(uintptr_t(row[i][r]) >> 4) & 7u]);
       }
-      g_prof->wavefronts += unsigned(worst);
-      g_prof->ideal_wavefronts += 1;
+      prof_wavefronts(prof_line_site(g.threads[base].line), unsigned(worst));  // the asm statement's line
     }
 #endif
 }

@@ -173,7 +173,7 @@ inline void cp_async(unsigned long long dst, unsigned long long src, unsigned cp
   if (src_size > 0) memcpy(c.data, global_ptr(src, cp_size, line, op), size_t(src_size));  // a fault names the array
 #if defined(CUPAGED_SIM_PROFILE)
   if (g_prof) {  // the copy is an access of the emulation's own: its site is the asm statement's line
-    const void* site = reinterpret_cast<const void*>(uintptr_t(line) << 1 | 1u);
+    const void* site = prof_line_site(line);
     g_prof->cp_async_bytes += cp_size;
     prof_async_issue(cp_size);
     if (src_size > 0) prof_record(uintptr_t(src), unsigned(src_size), false, site);
