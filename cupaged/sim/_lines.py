@@ -4,8 +4,8 @@ A site is either the return address of the ``__tsan_*`` hook an access called, i
 build's code, or ``2**63 + line`` for an emulated PTX instruction (the line of its asm statement).
 The profiled build carries line tables (``-g1``); one ``addr2line -i`` per launch maps the code
 addresses (less 1: the call, not the instruction after it) to their locations, inlined calls
-included. The location kept is the innermost one outside the sim's own headers and the system's
-(an access inside ``atomicAdd`` or ``std::max`` belongs to the line that called it).
+included. The location kept is the innermost one outside the sim's own headers, CUDA's and the
+system's (an access inside ``atomicAdd``, ``__hadd`` or ``std::max`` belongs to the line that called it).
 
 A location in the module's code is its 1-based line (an int): the sim compiles the code string
 from ``kernel.cu`` in a temporary directory next to the cached object, whose lines are the
@@ -19,13 +19,22 @@ import os
 import shutil
 import subprocess
 
+from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
 from cupaged.sim._compile import INCLUDE_DIR
 
 __all__ = ["locations"]
 
-_SKIPPED = (os.path.join(os.path.realpath(INCLUDE_DIR), ""), "/usr/")
 _LINE_SITE = 1 << 63  # kLineSite in cupaged_sim_profile.h
 _RESOLVED: dict[str, dict[int, object]] = {}  # per object file: address -> location
+
+
+def _skipped() -> tuple[str, ...]:
+    """Directories whose code is not the kernel's: the sim's headers, CUDA's and the system's."""
+    try:
+        cuda = cuda_include_dirs()
+    except CudaNotFoundError:
+        cuda = ()
+    return (*(os.path.join(os.path.realpath(d), "") for d in (INCLUDE_DIR, *cuda)), "/usr/")
 
 
 def _object_of(lib) -> tuple[str, int]:
@@ -68,9 +77,9 @@ def _addr2line(so: str, addresses) -> dict[int, object]:
         path, _, line = row.split(" (discriminator")[0].rpartition(":")
         if line.isdigit() and path != "??":
             current.append((path, int(line)))
-    found = {}
+    found, skipped = {}, _skipped()
     for address, chain in frames.items():
-        kept = next((f for f in chain if not os.path.realpath(f[0]).startswith(_SKIPPED)), chain[0] if chain else None)
+        kept = next((f for f in chain if not os.path.realpath(f[0]).startswith(skipped)), chain[0] if chain else None)
         found[address] = _key(*kept, so) if kept else "??"
     return found
 
