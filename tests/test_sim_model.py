@@ -119,3 +119,28 @@ def test_a_profiled_decode_declares_its_minimum():
     kv = sum(launch.args[k].unique_bytes_read for k in ("key_cache", "value_cache"))
     assert kv == 2 * int(lens.sum()) * 2 * 64 * 2  # every visible K/V byte once, nothing past seq_len
     assert 1.0 <= launch.model.traffic_ratio < 1.1
+
+
+SUM_ALL = r"""
+extern "C" __global__ void sum_all(const float* src, float* dst, int n) {  // every CTA reads all of src
+  float s = 0.0f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) s += src[i];
+  if (threadIdx.x == 0) dst[blockIdx.x] = s;  // (lane 0's share only: the traffic is what counts)
+}
+"""
+
+
+def test_sampled_distinct_bytes_never_exceed_the_array():
+    # 8 CTAs each read the same 1 KiB; profiled 2 of them (block_stride 4). Scaling the sample's
+    # distinct bytes by 4 would claim 4 KiB read: capped at the array, 1 KiB (L2 serves the rest).
+    from cupaged import sim
+
+    src, dst = sim.asarray(np.ones(256, np.float32)), sim.zeros(8, np.float32)
+    kernel = sim.RawModule(code=SUM_ALL).get_function("sum_all")
+    with sim.profile(block_stride=(4, 1, 1)) as prof:
+        kernel((8,), (32,), (src, dst, np.int32(256)))
+    launch = prof.launches[0]
+    assert (launch.ctas, launch.ctas_profiled, launch.args["src"].unique_bytes_read) == (8, 2, 1024)
+    m = launch.model
+    assert m.unique_bytes == 1024 + 8 * 4  # src once, 8 CTAs x 4 bytes of dst (scaled: distinct per CTA)
+    assert m.bytes == 8 * 1024 + 8 * 4  # requested bytes do scale

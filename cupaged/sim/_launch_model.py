@@ -71,6 +71,16 @@ def _sector_efficiency(args) -> float:
     return sum(a.sector_efficiency * w for a, w in zip(args.values(), weights)) / total if total else 1.0
 
 
+def _unique_bytes(launch, kinds=("read", "written")) -> float:
+    """Distinct bytes of the launch's whole grid. Profiled on a sample of its CTAs, each argument's
+    distinct bytes read (written) scale with the CTAs but never past its array: CTAs not profiled
+    share bytes with the sampled ones (prefill row tiles re-read one sequence's keys, MLA head tiles
+    one latent row), which an L2 holding the working set serves once."""
+    scale = launch.ctas / max(launch.ctas_profiled, 1)
+    return sum(min(getattr(a, f"unique_bytes_{k}") * scale, a.size or float("inf"))
+               for a in launch.args.values() for k in kinds)
+
+
 def model_of(launch, ctas: int | None = None, gpu: _model.GPU = _model.H200) -> LaunchModel:
     """The model of ``launch`` over ``ctas`` CTAs (default: its grid). Per-CTA figures are the
     profiled CTAs' averages, so a projection passes the CTA count of the production shape."""
@@ -80,7 +90,7 @@ def model_of(launch, ctas: int | None = None, gpu: _model.GPU = _model.H200) -> 
     threads = launch.block[0] * launch.block[1] * launch.block[2]
     shared = static + launch.shared_mem
     per_sm = _model.ctas_per_sm(registers, threads, shared, gpu.arch)
-    unique = sum(a.unique_bytes_read + a.unique_bytes_written for a in launch.args.values())
+    unique = _unique_bytes(launch) * ran / max(launch.ctas, 1)  # of the CTAs profiled, capped
     requested = sum(a.bytes_read + a.bytes_written for a in launch.args.values())
     declared = launch.declared
     flops = None if declared is None else declared.flops
@@ -116,7 +126,7 @@ def table(launches) -> str:
     rows = []
     for launch in launches:
         m = launch.model
-        read = sum(a.unique_bytes_read for a in launch.args.values()) * m.ctas / max(launch.ctas_profiled, 1)
+        read = _unique_bytes(launch, ("read",)) * m.ctas / max(launch.ctas, 1)
         grid = "×".join(map(str, launch.grid)) + " × " + "×".join(map(str, launch.block))
         name = launch.kernel if len(launch.kernel) <= 64 else launch.kernel[:61] + "..."
         rows.append((name, grid, _bytes(round(read)), _bytes(m.min_bytes),

@@ -43,6 +43,7 @@ class ArgTraffic:
     sectors_read: int
     sectors_written: int
     useful_bytes: int = dataclasses.field(default=0, repr=False)  # distinct bytes per warp-level instruction
+    size: int = dataclasses.field(default=0, repr=False)  # bytes of the argument's array
 
     @property
     def sector_efficiency(self) -> float:
@@ -156,6 +157,7 @@ class LaunchProbe:
         ranges = [(kernel.param_names[i], *buf.valid) for i, buf in sorted(staged.buffers.items())]
         ranges += pointer_fields(kernel.param_names, kernel.param_types, args)
         self.names = [name for name, _, _ in ranges]
+        self.sizes = [hi - lo for _, lo, hi in ranges]
         self.structs = LaunchStructs([(lo, hi) for _, lo, hi in ranges], _ACTIVE[-1].block_stride)
         self.sites = []
 
@@ -169,7 +171,7 @@ class LaunchProbe:
             a, (read, written) = self.structs.args[k], self.structs.seen[k]
             args[name] = ArgTraffic(a.bytes_read, a.bytes_written, int(np.bitwise_count(read).sum()),
                                     int(np.bitwise_count(written).sum()), a.sectors_read, a.sectors_written,
-                                    a.useful_read + a.useful_written)
+                                    a.useful_read + a.useful_written, self.sizes[k])
         where = _lines.locations(lib, [site for site, _, _ in self.sites])
         by_line = {}
         for site, wavefronts, ideal in self.sites:
