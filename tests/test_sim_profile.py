@@ -294,6 +294,7 @@ def test_launch_records():
 
 
 INFLIGHT = r"""
+#include <cuda_fp16.h>
 // Each thread issues `loads` independent float loads before the barrier that consumes them.
 extern "C" __global__ void loads_before_barrier(const float* src, float* dst, int loads, int step) {
   float acc = 0.f;
@@ -301,7 +302,34 @@ extern "C" __global__ void loads_before_barrier(const float* src, float* dst, in
   __syncthreads();
   dst[threadIdx.x] = acc;
 }
+// The same with 16-byte loads of a struct of eight halves (as kernels_cu/common.cuh's Vec), which
+// g++ copies in pieces: each is still one load in flight, of 16 bytes.
+template <class T, int N>
+struct alignas(sizeof(T) * N) Halves { T h[N]; };
+template <class T, int N>
+__device__ __forceinline__ Halves<T, N> load_halves(const T* p) { return *reinterpret_cast<const Halves<T, N>*>(p); }
+extern "C" __global__ void vector_loads_before_barrier(const __half* src, float* dst, int loads, int step) {
+  float acc = 0.f;
+  for (int k = 0; k < loads; ++k) {
+    const Halves<__half, 8> v = load_halves<__half, 8>(src + 8 * (threadIdx.x + k * step));
+    for (int e = 0; e < 8; ++e) acc += __half2float(v.h[e]);
+  }
+  __syncthreads();
+  dst[threadIdx.x] = acc;
+}
 """
+
+
+@pytest.mark.parametrize("loads, per_thread", [(3, 48), (12, 128)])
+def test_bytes_in_flight_of_vector_loads(loads, per_thread):
+    """128 threads x 3 (or 8, capped) loads x 16 B: a vector load counts once, whole (the pieces g++
+    split it into were counted as separate loads, so 8 pieces of 2 bytes filled the cap)."""
+    src, dst = sim.asarray(np.ones((128 * 12, 8), np.float16)), sim.zeros(128, np.float32)
+    with sim.profile() as prof:
+        sim.RawModule(code=INFLIGHT).get_function("vector_loads_before_barrier")(
+            (1,), (128,), (src, dst, np.int32(loads), np.int32(128)))
+    np.testing.assert_array_equal(dst, 8 * loads)
+    assert prof.launches[0].max_inflight_bytes_per_cta == 128 * per_thread
 
 
 @pytest.mark.parametrize("loads, per_thread", [(4, 16), (12, 32)])
@@ -397,7 +425,8 @@ extern "C" __global__ void copy_struct(P p) {
 def test_extra_sources_compile_under_nvrtc():
     from cupaged._nvrtc import compile_cubin
 
-    assert compile_cubin(EXTRA, arch="sm_80", options=("-std=c++17",)).cubin
+    for source in (EXTRA, INFLIGHT):
+        assert compile_cubin(source, arch="sm_80", options=("-std=c++17",)).cubin
 
 
 def extra(name):

@@ -115,7 +115,7 @@ struct ProfWarp {
 static ProfWarp g_pw[kMaxThreads / 32];
 static ProfVec<ProfEntry> g_grouped;
 // The last access logged, which the next access of the same thread may continue (see prof_log).
-static struct { int thread; unsigned epoch; const void* site; const void* tail; bool write; int arg; } g_last;
+static struct { int thread; unsigned epoch; const void* site; const void* tail; bool write; int arg; bool inflight; } g_last;
 static ProfSite* g_sites;  // shared memory per site, for the launch
 static size_t g_site_mask, g_site_used;
 struct ProfRange { unsigned long long lo, hi; int arg; };
@@ -262,12 +262,10 @@ __attribute__((noinline)) PROF_FN static void prof_log(uintptr_t a, unsigned n, 
     ProfArg& p = g_prof->args[arg];
     (write ? p.bytes_written : p.bytes_read) += n;
     prof_mark(write ? p.seen_written : p.seen_read, a - p.lo, n);
-    if (!write && site_is_code(site) && pt.loads < 8) {
-      ++pt.loads;
-      pt.plain += n;
-      prof_inflight_peak(pt);
-    }
   }
+  // A load is in flight from its issue: one per instruction (the pieces g++ split a vector load
+  // into, merged below, are one load), at most 8 per thread.
+  const bool inflight = arg >= 0 && !write && site_is_code(site);
   // g++ splits a 16-byte vector access (float4, uint4) into narrower ones at consecutive sites,
   // which the GPU does in one instruction: a lane's access at another site that continues its
   // previous one within one aligned 16-byte block is merged into it (a fiber runs alone between
@@ -281,14 +279,24 @@ __attribute__((noinline)) PROF_FN static void prof_log(uintptr_t a, unsigned n, 
     if (last.addr + size == a && size + n <= 16 && (a & ~15ull) == (last.addr & ~15ull)) {
       last.size_lane += n << 5;
       g_last.tail = site;
+      if (inflight && g_last.inflight) {
+        pt.plain += n;
+        prof_inflight_peak(pt);
+      }
       return;
     }
+  }
+  const bool counted = inflight && pt.loads < 8;
+  if (counted) {
+    ++pt.loads;
+    pt.plain += n;
+    prof_inflight_peak(pt);
   }
   unsigned inst = prof_instruction(w, site, pt.epoch, prof_occurrence(pt, site), write, arg);
   ++w.insts.data[inst].count;
   w.log.push() = ProfEntry{a, inst, n << 5 | unsigned(t->lane)};
   if (pt.epoch > w.last_epoch) w.last_epoch = pt.epoch;
-  g_last = {t->linear, pt.epoch, site, site, write, arg};
+  g_last = {t->linear, pt.epoch, site, site, write, arg, counted};
 }
 
 __attribute__((noinline)) PROF_FN static void prof_log_global(uintptr_t a, unsigned n, bool write, const void* site) {
