@@ -1,151 +1,14 @@
-"""numpy references: the oracle of every test (docs/conventions.md §3).
-
-Written as a different algorithm from the kernels (whole-array fancy indexing and reshapes instead
-of per-thread index arithmetic, float64 where arithmetic happens) and never calling a kernel.
-Inputs are numpy arrays; results are new arrays. Quantization follows DESIGN §4 exactly:
-x / scale in float32, clipped to the format's finite range, rounded to nearest even.
-"""
+"""References of attention (kernels_cu/paged_attention.cu): paged attention over flash (NHD/HND) and
+vLLM caches, vLLM's v1 output and v2 partitions, FlashAttention varlen and MLA decode. Each gathers a
+sequence's K/V densely (dense_kv) and runs a two-pass softmax (attention_rows) in float64."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["quantize_fp8", "dequantize_fp8", "reshape_and_cache_flash", "reshape_and_cache",
-           "concat_and_cache_mla", "gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks",
-           "swap_blocks", "dense_kv", "attention_rows", "paged_attention", "paged_attention_v1",
-           "paged_attention_v2_partitions", "merge_attn_states", "varlen_attention", "mla_decode"]
-
-FP8 = {"fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
+from cupaged.reference.fp8 import dequantize_fp8
 
 
-def quantize_fp8(x, scale, kv_cache_dtype="fp8"):
-    """uint8 codes of saturate(x / scale); ``scale`` broadcasts against x."""
-    fmt = FP8[kv_cache_dtype]
-    limit = np.float32(ml_dtypes.finfo(fmt).max)
-    q = np.asarray(x).astype(np.float32) / np.asarray(scale, dtype=np.float32)
-    codes = np.clip(q, -limit, limit).astype(fmt).view(np.uint8)
-    return np.where(np.isnan(q), np.uint8(0x7F), codes)  # CUDA's canonical fp8 NaN, in both formats
-
-
-def dequantize_fp8(codes, scale, kv_cache_dtype="fp8"):
-    """float32 values float(code) * scale of uint8 codes."""
-    values = np.asarray(codes).view(FP8[kv_cache_dtype]).astype(np.float32)
-    return values * np.asarray(scale, dtype=np.float32)
-
-
-def _store(x, scale, kv_cache_dtype, head_axis):
-    """What a cache holds for x: x itself ("auto") or its fp8 codes with a per-tensor or per-head scale."""
-    if kv_cache_dtype == "auto":
-        return np.asarray(x)
-    scale = np.asarray(scale, dtype=np.float32).reshape(-1)
-    shape = [1] * np.ndim(x)
-    if scale.size > 1:
-        shape[head_axis] = scale.size
-    return quantize_fp8(x, scale.reshape(shape), kv_cache_dtype)
-
-
-def _slots(slot_mapping, block_size):
-    slots = np.asarray(slot_mapping).astype(np.int64)
-    keep = np.flatnonzero(slots >= 0)
-    blocks, offsets = np.divmod(slots[keep], block_size)
-    return keep, blocks, offsets
-
-
-def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
-                            k_scale=1.0, v_scale=1.0, *, layout="NHD"):
-    """Return (key_cache, value_cache) copies with every token of a non-negative slot written."""
-    key_cache, value_cache = np.array(key_cache, copy=True), np.array(value_cache, copy=True)
-    block_size = key_cache.shape[1] if layout == "NHD" else key_cache.shape[2]
-    keep, blocks, offsets = _slots(slot_mapping, block_size)
-    for cache, new, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
-        rows = _store(np.asarray(new)[keep], scale, kv_cache_dtype, head_axis=1)
-        if layout == "NHD":
-            cache[blocks, offsets] = rows
-        else:
-            cache[blocks, :, offsets] = rows
-    return key_cache, value_cache
-
-
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
-                      k_scale=1.0, v_scale=1.0):
-    """vLLM layout: K [blocks, heads, head_size // x, block_size, x], V [blocks, heads, head_size, block_size]."""
-    key_cache, value_cache = np.array(key_cache, copy=True), np.array(value_cache, copy=True)
-    _, num_kv_heads, chunks, block_size, x = key_cache.shape
-    keep, blocks, offsets = _slots(slot_mapping, block_size)
-    k = _store(np.asarray(key)[keep], k_scale, kv_cache_dtype, head_axis=1)
-    v = _store(np.asarray(value)[keep], v_scale, kv_cache_dtype, head_axis=1)
-    key_cache[blocks, :, :, offsets, :] = k.reshape(len(keep), num_kv_heads, chunks, x)
-    value_cache[blocks, :, :, offsets] = v
-    return key_cache, value_cache
-
-
-def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=1.0):
-    kv_cache = np.array(kv_cache, copy=True)
-    keep, blocks, offsets = _slots(slot_mapping, kv_cache.shape[1])
-    rows = np.concatenate([np.asarray(kv_c)[keep], np.asarray(k_pe)[keep]], axis=1)
-    kv_cache[blocks, offsets] = _store(rows, scale, kv_cache_dtype, head_axis=0)
-    return kv_cache
-
-
-def _positions(cu_seq_lens, seq_starts, seqs, tokens):
-    cu = np.asarray(cu_seq_lens).astype(np.int64)
-    pos = tokens - cu[seqs]
-    if seq_starts is not None:
-        pos = pos + np.asarray(seq_starts).astype(np.int64)[seqs]
-    return pos
-
-
-def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
-                                   kv_cache_dtype="auto", scale=1.0, seq_starts=None):
-    """Return a copy of dst with row t = cache row of token t (dequantized to dst's dtype); tokens at or
-    past their sequence's end, or whose position runs past the block-table row, are skipped (vLLM)."""
-    dst = np.array(dst, copy=True)
-    tokens = np.arange(int(num_tokens))
-    seqs = np.asarray(token_to_seq).astype(np.int64)[:num_tokens]
-    live = tokens < np.asarray(cu_seq_lens).astype(np.int64)[seqs + 1]
-    tokens, seqs = tokens[live], seqs[live]
-    pos = _positions(cu_seq_lens, seq_starts, seqs, tokens)
-    block_size = src_cache.shape[1]
-    inside = pos // block_size < np.asarray(block_table).shape[1]
-    tokens, seqs, pos = tokens[inside], seqs[inside], pos[inside]
-    rows = np.asarray(src_cache)[np.asarray(block_table)[seqs, pos // block_size], pos % block_size]
-    if kv_cache_dtype != "auto":
-        rows = dequantize_fp8(rows, scale, kv_cache_dtype)
-    dst[tokens] = rows.astype(dst.dtype)
-    return dst
-
-
-def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts=None):
-    """Return a copy of dst with every token of the first batch_size sequences gathered."""
-    dst = np.array(dst, copy=True)
-    cu = np.asarray(cu_seq_lens).astype(np.int64)
-    block_size = src_cache.shape[1]
-    for b in range(int(batch_size)):
-        tokens = np.arange(cu[b], cu[b + 1])
-        pos = _positions(cu_seq_lens, seq_starts, np.full(tokens.shape, b), tokens)
-        dst[tokens] = np.asarray(src_cache)[np.asarray(block_table)[b, pos // block_size], pos % block_size]
-    return dst
-
-
-def copy_blocks(key_caches, value_caches, block_mapping):
-    """Return copies of every cache with cache[dst] = cache[src] for each (src, dst) pair."""
-    out = [np.array(c, copy=True) for c in list(key_caches) + list(value_caches or [])]
-    for src, dst in np.asarray(block_mapping).reshape(-1, 2):
-        for cache in out:
-            cache[dst] = cache[src]
-    n = len(key_caches)
-    return out[:n], (out[n:] if value_caches is not None else None)
-
-
-def swap_blocks(src, dst, block_mapping):
-    dst = np.array(dst, copy=True)
-    for s, d in np.asarray(block_mapping).reshape(-1, 2):
-        dst[d] = np.asarray(src)[s]
-    return dst
-
-
-# ---------------------------------------------------------------- attention
 def dense_kv(key_cache, value_cache, block_table_row, seq_len, *, layout="NHD", kv_cache_dtype="auto",
              k_scale=1.0, v_scale=1.0):
     """The first seq_len keys and values of one sequence as float64 [seq_len, num_kv_heads, head_size]."""
@@ -261,28 +124,6 @@ def paged_attention_v2_partitions(query, key_cache, value_cache, scale, block_ta
                 max_logits[s, h, p], exp_sums[s, h, p] = m, w.sum()
                 tmp[s, h, p] = w @ v[lo:hi, h // group] / w.sum()
     return exp_sums, max_logits, tmp
-
-
-def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, prefill_tokens_with_context=None):
-    """vLLM's merge of two partial attention states (outputs [num_tokens, num_heads, head_size],
-    LSEs [num_heads, num_tokens]) -> (output float64, output_lse float64). A +inf LSE counts as -inf;
-    both sides -inf: the prefix output and -inf; tokens at or past prefill_tokens_with_context take
-    the suffix verbatim."""
-    po, so = np.asarray(prefix_output, np.float64), np.asarray(suffix_output, np.float64)
-    pl, sl = np.asarray(prefix_lse, np.float64).T, np.asarray(suffix_lse, np.float64).T  # [tokens, heads]
-    pl = np.where(np.isposinf(pl), -np.inf, pl)
-    sl = np.where(np.isposinf(sl), -np.inf, sl)
-    mx = np.maximum(pl, sl)
-    both_empty = np.isneginf(mx)
-    mx_safe = np.where(both_empty, 0.0, mx)
-    pw, sw = np.exp(pl - mx_safe), np.exp(sl - mx_safe)
-    total = np.where(both_empty, 1.0, pw + sw)
-    out = (po * (pw / total)[..., None] + so * (sw / total)[..., None])
-    out = np.where(both_empty[..., None], po, out)
-    lse = np.where(both_empty, -np.inf, mx_safe + np.log(total))
-    n = po.shape[0] if prefill_tokens_with_context is None else int(prefill_tokens_with_context)
-    out[n:], lse[n:] = so[n:], np.asarray(suffix_lse, np.float64).T[n:]
-    return out, lse.T
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=True):
