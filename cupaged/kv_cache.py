@@ -13,7 +13,7 @@ import numpy as np
 from cupaged import sim
 from cupaged._cache_args import cache_dtype
 from cupaged._checks import FLOAT_DTYPES, check_choice, check_int
-from cupaged._plan import resolve_array_module
+from cupaged.pool._batch_plan import resolve_array_module
 
 __all__ = ["KVCache"]
 

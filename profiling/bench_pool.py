@@ -1,4 +1,4 @@
-"""Host-side cost of batch planning (cupaged/pool.py): what the scheduler pays per step before any
+"""Host-side cost of batch planning (cupaged/pool/): what the scheduler pays per step before any
 kernel runs. CPU only -- nothing here touches a GPU.
 
   decode: 256 sequences of ~2k tokens (1,900..2,100, so block boundaries fall on different

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._decode import DecodeBatch
+from cupaged.pool._decode_step import DecodeBatch
 
 _ROWS = 8
 
