@@ -5,6 +5,7 @@ or by g++ through the CPU simulator :mod:`cupaged.sim` for numpy arrays. The bac
 data arrays. See README.md for the API tour.
 """
 
+from cupaged.attention import AttentionPlan, KvView, plan_attention, run_attention
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache, swap_blocks
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
 from cupaged.kv_cache import KVCache
@@ -17,14 +18,15 @@ from cupaged.varlen_attention import varlen_attention
 
 __version__ = "0.1.0"
 
-for _public in (KVCache, BatchPlan, BlockPool, OutOfBlocks, PoolUsage):
+for _public in (AttentionPlan, KvView, KVCache, BatchPlan, BlockPool, OutOfBlocks, PoolUsage):
     _public.__module__ = __name__  # tracebacks and reprs name cupaged.X, where users import it from
 del _public
 
 __all__ = [
     "reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla", "gather_and_maybe_dequant_cache",
     "cp_gather_cache", "copy_blocks", "swap_blocks", "paged_attention", "paged_attention_v1",
-    "paged_attention_v2", "varlen_attention", "mla_decode",
+    "paged_attention_v2", "varlen_attention", "mla_decode", "AttentionPlan", "KvView", "plan_attention",
+    "run_attention",
     "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",
     "__version__",
 ]

@@ -7,10 +7,13 @@ import numpy as np
 
 from cupaged._attention_args import check_out, check_q, check_tables, validate_offsets, validate_tables
 from cupaged._cache_args import cache_dtype, check_index, check_scale_values, host_copy, scale_args
-from cupaged._checks import address, check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
-    check_optional_int, check_writable, element_strides, validate_enabled
+from cupaged._checks import check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
+    check_optional_int, check_writable, validate_enabled
 from cupaged._runtime import array_module
-from cupaged.paged_attention import MLA_BUCKET, ROWS, choose_split, launch
+from cupaged.attention import MLA_BUCKET, KvView, plan_attention, run_attention
+from cupaged.cache_gather import gather_and_maybe_dequant_cache
+from cupaged.merge_attn_states import merge_attn_states
+from cupaged.varlen_attention import varlen_attention
 
 __all__ = ["mla_decode", "mla_chunked_prefill"]
 
@@ -67,19 +70,9 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
         check_scale_values(kv_cache_dtype, k_scale=k_scale)
     if num_seqs == 0:
         return (out, lse) if return_lse else out
-    s = element_strides("kv_cache", kv_cache)
-    x = 16 // kv_cache.itemsize
-    vec = int(address(kv_cache) % 16 == 0 and s[0] % x == 0 and s[1] % x == 0)
-    caches = dict(kv_heads=1, block_size=kv_cache.shape[1], vec_k=vec, vec_v=0, k_block_stride=s[0],
-                  k_head_stride=0, k_chunk_stride=x, k_page_stride=s[1], v_block_stride=s[0], v_head_stride=0,
-                  v_page_stride=s[1], v_dim_stride=1)
-    tiles = -(-num_heads // ROWS)
-    max_kv = max_seq_len or block_tables.shape[1] * kv_cache.shape[1]
-    split = kv_split_size if kv_split_size is not None else choose_split(xp, num_seqs * tiles, max_kv)
-    max_splits = max(1, -(-max_kv // split)) if split else 1
-    launch(xp, q, kv_cache, kv_cache, caches, block_tables, seq_lens, None, out, lse, scale=scale, causal=True,
-           window=0, sinks=None, alibi=None, softcap=None, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-           v_scale=k_scale, kv_split_size=split if max_splits > 1 else 0, max_splits=max_splits, tiles=tiles, mla=True)
+    kv = KvView.mla(kv_cache, kv_lora_rank, kv_cache_dtype)
+    plan = plan_attention(q, kv, block_tables, seq_lens, max_seq_len=max_seq_len, kv_split_size=kv_split_size)
+    run_attention(plan, q, kv, out, lse, block_tables, seq_lens, scale=scale, k_scale=k_scale, v_scale=k_scale)
     return (out, lse) if return_lse else out
 
 
@@ -100,10 +93,6 @@ def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, c
     ``varlen_attention`` with LSE, merged into the running state with ``merge_attn_states``; finally
     causal attention over the new tokens, merged last. Every input is checked before the first
     launch. Returns out ``[total_q, num_heads, v_head_size]`` (and LSE)."""
-    from cupaged.cache_gather import gather_and_maybe_dequant_cache
-    from cupaged.merge_attn_states import merge_attn_states
-    from cupaged.varlen_attention import varlen_attention
-
     xp = array_module(q=q, k_new=k_new, v_new=v_new, kv_cache=kv_cache, block_tables=block_tables,
                       cu_seqlens_q=cu_seqlens_q, out=out, workspace=workspace)
     plan = _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj,
@@ -122,11 +111,11 @@ def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, c
         k_c, v_c = _up_projected(up_proj, rows, n, kv_shapes, q.dtype)
         part = varlen_attention(q, k_c, v_c, cu_seqlens_q, xp.asarray(cu_k), scale=scale, causal=False,
                                 max_seqlen_k=int(lens.max()), return_lse=True, validate=False)
-        state = part if state is None else _merge(merge_attn_states, xp, state, part)
+        state = part if state is None else _merge(xp, state, part)
     new = varlen_attention(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, scale=scale, causal=True,
                            out=out if state is None else None, return_lse=True, validate=False)
     if state is not None:
-        new = _merge(merge_attn_states, xp, state, new, out=out)
+        new = _merge(xp, state, new, out=out)
     return new if return_lse else new[0]
 
 
@@ -221,7 +210,7 @@ def _up_projected(up_proj, rows, n, kv_shapes, dtype):
     return result
 
 
-def _merge(merge_attn_states, xp, prefix, suffix, out=None):
+def _merge(xp, prefix, suffix, out=None):
     output = xp.empty_like(prefix[0]) if out is None else out
     output_lse = xp.empty_like(prefix[1])
     merge_attn_states(output, prefix[0], prefix[1], suffix[0], suffix[1], output_lse)

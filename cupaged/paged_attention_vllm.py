@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._attention_args import check_caches, check_head_vector, check_out, check_q, check_tables, validate_tables
+from cupaged._attention_args import check_head_vector, check_out, check_q, check_tables, validate_tables
 from cupaged._cache_args import check_scale_values
 from cupaged._checks import check_dtype, check_float, check_int, check_ndim, check_writable, validate_enabled
 from cupaged._runtime import array_module
-from cupaged.paged_attention import launch
+from cupaged.attention import KvView, plan_attention, run_attention
 
 __all__ = ["paged_attention_v1", "paged_attention_v2", "PARTITION_SIZE"]
 
@@ -19,7 +19,7 @@ PARTITION_SIZE = 512
 
 def _common(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
             alibi_slopes, kv_cache_dtype, k_scale, v_scale, tp_rank, blocksparse, validate, extra=None):
-    """Checks shared by v1 and v2; returns (xp, cache strides, alibi, scale, max_seq_len)."""
+    """Checks shared by v1 and v2; returns (xp, KvView, alibi, scale, max_seq_len)."""
     xp = array_module(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                       seq_lens=seq_lens, **(extra or {}))
     for name, value in blocksparse.items():
@@ -29,11 +29,11 @@ def _common(out, query, key_cache, value_cache, num_kv_heads, scale, block_table
     num_seqs, num_heads, head_size = check_q(query, "query")
     check_writable("out", out)
     check_out(out, query, "out")
-    caches = check_caches(key_cache, value_cache, query, kv_cache_dtype, "vllm", layouts=("vllm",))
-    if check_int("num_kv_heads", num_kv_heads, 1) != caches["kv_heads"]:
-        raise ValueError(f"num_kv_heads={num_kv_heads} does not match key_cache's {caches['kv_heads']} heads")
-    if check_int("block_size", block_size, 1) != caches["block_size"]:
-        raise ValueError(f"block_size={block_size} does not match key_cache's block size {caches['block_size']}")
+    kv = KvView.paged(key_cache, value_cache, query, kv_cache_dtype, "vllm")
+    if check_int("num_kv_heads", num_kv_heads, 1) != kv.num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} does not match key_cache's {kv.num_kv_heads} heads")
+    if check_int("block_size", block_size, 1) != kv.block_size:
+        raise ValueError(f"block_size={block_size} does not match key_cache's block size {kv.block_size}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     check_tables(block_tables, seq_lens, None, num_seqs)
@@ -46,7 +46,7 @@ def _common(out, query, key_cache, value_cache, num_kv_heads, scale, block_table
     if validate_enabled(validate):
         validate_tables(block_tables, seq_lens, None, key_cache.shape[0], block_size, num_seqs, max_seq_len=max_seq_len)
         check_scale_values(kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
-    return xp, caches, alibi, scale, max_seq_len
+    return xp, kv, alibi, scale, max_seq_len
 
 
 def _blocksparse(local_blocks, vert_stride, block_size, head_sliding_step):
@@ -59,18 +59,18 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
                        max_seq_len, alibi_slopes, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, tp_rank=0,
                        blocksparse_local_blocks=0, blocksparse_vert_stride=0, blocksparse_block_size=64,
                        blocksparse_head_sliding_step=0, *, validate=None):
-    """vLLM's ``paged_attention_v1``: one query per sequence, each context in one pass; writes ``out``.
-    ``max_seq_len`` is only a hint here (checked against ``seq_lens`` with ``validate=True``)."""
-    xp, caches, alibi, scale, _ = _common(
+    """vLLM's ``paged_attention_v1``: one query per sequence; writes ``out``. ``max_seq_len`` is the grid
+    hint (checked against ``seq_lens`` with ``validate=True``): a few long contexts are split across
+    more CTAs and merged, as ``paged_attention`` does; otherwise each context is one pass."""
+    xp, kv, alibi, scale, max_seq_len = _common(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
         alibi_slopes, kv_cache_dtype, k_scale, v_scale, tp_rank,
         _blocksparse(blocksparse_local_blocks, blocksparse_vert_stride, blocksparse_block_size,
                      blocksparse_head_sliding_step), validate)
     if query.shape[0]:
-        launch(xp, query, key_cache, value_cache, caches, block_tables, seq_lens, None, out, None, scale=scale,
-               causal=True, window=0, sinks=None, alibi=alibi, softcap=None, kv_cache_dtype=kv_cache_dtype,
-               k_scale=k_scale, v_scale=v_scale, kv_split_size=0, max_splits=1,
-               tiles=-(-(query.shape[1] // num_kv_heads) // 16))
+        plan = plan_attention(query, kv, block_tables, seq_lens, max_seq_len=max_seq_len or None)
+        run_attention(plan, query, kv, out, None, block_tables, seq_lens, scale=scale, alibi_slopes=alibi,
+                      k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention_v2(out, exp_sums, max_logits, tmp_output, query, key_cache, value_cache, num_kv_heads, scale,
@@ -84,7 +84,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_output, query, key_cache, 
     ceil(seq_len / 512) are untouched. A sequence longer than ``max_num_partitions`` partitions of 512
     (an understated ``max_seq_len``) is split into that many larger partitions instead: its output is
     still right and nothing outside its own rows is written (``validate=True`` raises instead)."""
-    xp, caches, alibi, scale, max_seq_len = _common(
+    xp, kv, alibi, scale, max_seq_len = _common(
         out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size, max_seq_len,
         alibi_slopes, kv_cache_dtype, k_scale, v_scale, tp_rank,
         _blocksparse(blocksparse_local_blocks, blocksparse_vert_stride, blocksparse_block_size,
@@ -108,8 +108,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_output, query, key_cache, 
         raise ValueError(f"max_num_partitions={partitions} (exp_sums' last dimension) < ceil(max_seq_len / "
                          f"{PARTITION_SIZE}) = {need}")
     if num_seqs:
-        launch(xp, query, key_cache, value_cache, caches, block_tables, seq_lens, None, out, None, scale=scale,
-               causal=True, window=0, sinks=None, alibi=alibi, softcap=None, kv_cache_dtype=kv_cache_dtype,
-               k_scale=k_scale, v_scale=v_scale, kv_split_size=PARTITION_SIZE, max_splits=partitions,
-               tiles=-(-(num_heads // num_kv_heads) // 16), partials=(max_logits, exp_sums, tmp_output),
-               always_partials=True)
+        plan = plan_attention(query, kv, block_tables, seq_lens, kv_split_size=PARTITION_SIZE, max_splits=partitions,
+                              always_partials=True)
+        run_attention(plan, query, kv, out, None, block_tables, seq_lens, scale=scale, alibi_slopes=alibi,
+                      k_scale=k_scale, v_scale=v_scale, partials=(max_logits, exp_sums, tmp_output))

@@ -9,23 +9,12 @@ import numpy as np
 
 from cupaged._attention_args import check_hint, check_out, check_q, validate_offsets
 from cupaged._cache_args import check_index
-from cupaged._checks import address, check_bool, check_float, check_last_contiguous, check_ndim, check_optional_int, \
-    check_writable, element_strides, validate_enabled
+from cupaged._checks import check_bool, check_float, check_last_contiguous, check_ndim, check_optional_int, \
+    check_writable, validate_enabled
 from cupaged._runtime import array_module
-from cupaged.paged_attention import ROWS, launch
+from cupaged.attention import KvView, plan_attention, run_attention
 
 __all__ = ["varlen_attention"]
-
-
-def _dense_strides(k, v):
-    """check_caches' dict for [total_k, num_kv_heads, head_size] rows (no blocks, no chunking)."""
-    ks, vs = element_strides("k", k), element_strides("v", v)
-    x = 16 // k.itemsize
-    vec_k = address(k) % 16 == 0 and ks[0] % x == 0 and ks[1] % x == 0
-    vec_v = address(v) % 16 == 0 and vs[0] % x == 0 and vs[1] % x == 0
-    return dict(kv_heads=k.shape[1], block_size=1, vec_k=int(vec_k), vec_v=int(vec_v), k_block_stride=0,
-                k_head_stride=ks[1], k_chunk_stride=x, k_page_stride=ks[0], v_block_stride=0, v_head_stride=vs[1],
-                v_page_stride=vs[0], v_dim_stride=1)
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=True, max_seqlen_q=None,
@@ -36,7 +25,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     cu_seqlens_q[b]..[b+1] and k/v rows cu_seqlens_k[b]..[b+1]. Causal masking is bottom-right
     aligned: query i sees keys j <= i + len_k - len_q. Returns out ``[total_q, num_heads,
     v_head_size]`` (and LSE float32 ``[num_heads, total_q]``, -inf for rows that see no key).
-    ``max_seqlen_q`` / ``max_seqlen_k`` are optional host-side hints for the grid."""
+    ``max_seqlen_q`` / ``max_seqlen_k`` are optional host-side hints for the grid: the query tiles, and
+    whether a few long key ranges are split across more CTAs (without ``max_seqlen_k``, one pass)."""
     xp = array_module(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, out=out)
     total_q, num_heads, head_size = check_q(q)
     check_ndim("k", k, 3, "[total_k, num_kv_heads, qk_head_size]")
@@ -79,9 +69,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
         if return_lse:
             lse[...] = -np.inf
         return (out, lse) if return_lse else out
-    group = num_heads // k.shape[1]
-    tiles = -(-min(max_seqlen_q or total_q, total_q) * group // ROWS)
-    launch(xp, q, k, v, _dense_strides(k, v), None, cu_seqlens_k, cu_seqlens_q, out, lse, scale=scale,
-           causal=causal, window=0, sinks=None, alibi=None, softcap=None, kv_cache_dtype="auto", k_scale=1.0,
-           v_scale=1.0, kv_split_size=0, max_splits=1, tiles=tiles)
+    kv = KvView.dense(k, v)
+    plan = plan_attention(q, kv, None, cu_seqlens_k, cu_seqlens_q, max_query_len=max_seqlen_q, max_seq_len=max_seqlen_k)
+    run_attention(plan, q, kv, out, lse, None, cu_seqlens_k, cu_seqlens_q, scale=scale, causal=causal)
     return (out, lse) if return_lse else out

@@ -1,0 +1,268 @@
+"""The attention engine over kernels_cu/paged_attention.cu: describe the K/V (:class:`KvView`), plan
+once per batch (:func:`plan_attention`, pure host: tiles, splits, partial buffers, grid), run every
+layer with that plan (:func:`run_attention`, launches only). Every attention op (paged_attention,
+paged_attention_v1/v2, varlen_attention, mla_decode, mla_chunked_prefill) validates its arguments,
+then plans and runs.
+
+The kernel's constants and its parameter struct are read from the ``.cu`` source (cupaged/_mirror.py),
+the one owner of both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from cupaged._annotate import declare_launch, op_range
+from cupaged._attention_args import check_caches
+from cupaged._cache_args import kv_dtype_name, kv_scale_args
+from cupaged._checks import CTYPE, address, element_strides
+from cupaged._cost import attention_cost
+from cupaged._mirror import constants, struct_dtype
+from cupaged._runtime import KernelFamily, struct_arg
+
+__all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "FAMILY", "HEAD_BUCKETS", "MLA_BUCKET"]
+
+HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
+MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
+NOMINAL_SMS = 132  # H100/H200, for sizing splits on the sim
+KV_ENUM = {"auto": "cupaged::KV_AUTO", "fp8": "cupaged::KV_E4M3", "fp8_e4m3": "cupaged::KV_E4M3",
+           "fp8_e5m2": "cupaged::KV_E5M2"}  # enum KvDtype in kernels_cu/common.cuh
+_TYPES = ("float", "__half", "__nv_bfloat16")
+
+
+def _main(t, kv, hd, vhd, shared):
+    return f"cupaged::paged_attention_kernel<{t}, {kv}, {hd}, {vhd}, {'true' if shared else 'false'}>"
+
+
+def _reduce(t):
+    return f"cupaged::paged_attention_reduce_kernel<{t}>"
+
+
+_KV_KINDS = ("cupaged::KV_AUTO", "cupaged::KV_E4M3", "cupaged::KV_E5M2")
+FAMILY = KernelFamily("paged_attention", [
+    *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in _KV_KINDS for hd in HEAD_BUCKETS),
+    *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in _KV_KINDS),
+    *(_reduce(t) for t in _TYPES),
+])
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_constants() -> dict[str, int]:
+    """PA_THREADS, PA_ROWS, PA_TILE as kernels_cu/paged_attention.cu defines them."""
+    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE")
+
+
+@functools.lru_cache(maxsize=None)
+def params_dtype() -> np.dtype:
+    """struct PaParams of kernels_cu/paged_attention.cu."""
+    return struct_dtype(FAMILY.source, "PaParams")
+
+
+def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
+    """Dynamic shared memory of the main kernel: PaSmem<HD, VHD, SHARED_KV>::FLOATS floats
+    (tests/test_mirror.py checks it against the kernel's own figure)."""
+    c = kernel_constants()
+    rows, tile = c["PA_ROWS"], c["PA_TILE"]
+    kv = tile * (hd + 1) + (0 if shared else tile * vhd)
+    return 4 * (rows * hd + kv + rows * tile + 3 * rows)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KvView:
+    """A K/V source for the attention kernel: its arrays, heads, sizes and address strides
+    (elements; see paged_attention.cu's header), and whether 16-byte loads are allowed."""
+
+    kind: str                  # "paged", "dense" (varlen rows) or "mla" (latent rows: value = a prefix)
+    key: object
+    value: object
+    kv_cache_dtype: str
+    num_kv_heads: int
+    head_size: int
+    v_head_size: int
+    block_size: int            # 1 for dense rows
+    strides: dict              # k_block_stride ... v_dim_stride, the PaParams fields
+    vec_k: bool
+    vec_v: bool
+
+    @classmethod
+    def paged(cls, key_cache, value_cache, q, kv_cache_dtype="auto", layout="NHD"):
+        """A paged cache in the flash NHD / HND or the vLLM layout (shapes and dtypes checked against q)."""
+        c = check_caches(key_cache, value_cache, q, kv_cache_dtype, layout,
+                         layouts=("vllm",) if layout == "vllm" else ("NHD", "HND"))
+        strides = {k: v for k, v in c.items() if k.startswith(("k_", "v_"))}
+        return cls("paged", key_cache, value_cache, kv_cache_dtype, c["kv_heads"], q.shape[2], q.shape[2],
+                   c["block_size"], strides, bool(c["vec_k"]), bool(c["vec_v"]))
+
+    @classmethod
+    def dense(cls, k, v):
+        """Varlen token rows: k ``[total_k, num_kv_heads, head_size]``, v ``[..., v_head_size]``."""
+        ks, vs = element_strides("k", k), element_strides("v", v)
+        x = 16 // k.itemsize
+        vec_k = address(k) % 16 == 0 and ks[0] % x == 0 and ks[1] % x == 0
+        vec_v = address(v) % 16 == 0 and vs[0] % x == 0 and vs[1] % x == 0
+        strides = dict(k_block_stride=0, k_head_stride=ks[1], k_chunk_stride=x, k_page_stride=ks[0],
+                       v_block_stride=0, v_head_stride=vs[1], v_page_stride=vs[0], v_dim_stride=1)
+        return cls("dense", k, v, "auto", k.shape[1], k.shape[2], v.shape[2], 1, strides, vec_k, vec_v)
+
+    @classmethod
+    def mla(cls, kv_cache, kv_lora_rank, kv_cache_dtype="auto"):
+        """A latent cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: the key is the whole row,
+        the value its first ``kv_lora_rank`` entries (one head shared by every query head)."""
+        s = element_strides("kv_cache", kv_cache)
+        x = 16 // kv_cache.itemsize
+        vec = address(kv_cache) % 16 == 0 and s[0] % x == 0 and s[1] % x == 0
+        strides = dict(k_block_stride=s[0], k_head_stride=0, k_chunk_stride=x, k_page_stride=s[1],
+                       v_block_stride=s[0], v_head_stride=0, v_page_stride=s[1], v_dim_stride=1)
+        return cls("mla", kv_cache, kv_cache, kv_cache_dtype, 1, kv_cache.shape[2], kv_lora_rank, kv_cache.shape[1],
+                   strides, vec, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """The schedule of one batch: reusable for every layer whose q and K/V have these shapes, and inside
+    CUDA-graph capture (it holds no arrays and reads none)."""
+
+    op: str                    # "decode", "prefill" or "mla_decode": the name NVTX ranges and profiles use
+    num_tokens: int
+    num_heads: int
+    num_seqs: int
+    num_kv_heads: int
+    head_size: int
+    v_head_size: int
+    dtype: str                 # q's C type
+    kv: str                    # the K/V kind and cache dtype the plan was made for
+    tiles: int                 # CTAs along a sequence's (token, head) rows, PA_ROWS rows each
+    kv_split_size: int         # keys per split (0: one pass)
+    max_splits: int            # the depth of the partial buffers
+    always_partials: bool      # vLLM v2: every sequence writes partials, even with one split
+    grid: tuple
+    threads: int
+    shared_mem: int
+    kernel: str                # name expressions
+    reduce_kernel: str | None
+
+    @property
+    def partial_shapes(self):
+        """(max_logits, exp_sums, tmp_output) shapes, or None when the plan needs no partials."""
+        if self.reduce_kernel is None and not self.always_partials:
+            return None
+        rows = (self.num_tokens, self.num_heads, self.max_splits)
+        return rows, rows, (*rows, self.v_head_size)
+
+
+def _sm_count(xp) -> int:
+    return NOMINAL_SMS if xp is np else xp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def choose_split(xp, ctas: int, max_kv: int) -> int:
+    """kv_split_size=None: split long contexts until ~2 CTAs per SM have work (0 = no split).
+    Chosen from the batch's shape, so only a fixed kv_split_size is batch-invariant."""
+    target = 2 * _sm_count(xp)
+    if ctas >= target or max_kv <= 256:
+        return 0
+    splits = math.ceil(target / max(ctas, 1))
+    size = max(256, -(-math.ceil(max_kv / splits) // 256) * 256)
+    return 0 if size >= max_kv else size
+
+
+def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None,
+                   max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
+    """Plan attention of ``q`` over ``kv``; only the shapes of the index arrays are used (dense K/V:
+    ``block_tables`` None and ``seq_lens`` = cu_seqlens_k). ``kv_split_size``: None chooses from the
+    shape, 0 never splits, n splits every n keys; ``max_splits`` fixes the partial depth (vLLM v2)."""
+    num_tokens, num_heads, head_size = q.shape
+    dense = block_tables is None
+    num_seqs = seq_lens.shape[0] - (1 if dense else 0)
+    consts = kernel_constants()
+    group = num_heads // kv.num_kv_heads
+    decode = query_start_loc is None
+    max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
+    tiles = -(-max_q * group // consts["PA_ROWS"]) if kv.kind != "mla" else -(-num_heads // consts["PA_ROWS"])
+    max_kv = max_seq_len or (block_tables.shape[1] * kv.block_size if not dense else 0)
+    xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+    split = choose_split(xp, num_seqs * kv.num_kv_heads * tiles, max_kv) if kv_split_size is None else kv_split_size
+    if max_splits is None:
+        max_splits = max(1, -(-max_kv // split)) if split else 1
+    split = split if max_splits > 1 else 0
+    t = CTYPE[np.dtype(q.dtype)]
+    shared = kv.kind == "mla"
+    hd, vhd = MLA_BUCKET if shared else (next(b for b in HEAD_BUCKETS if b >= max(head_size, kv.v_head_size)),) * 2
+    return AttentionPlan(
+        op="mla_decode" if shared else "decode" if decode else "prefill", num_tokens=num_tokens, num_heads=num_heads,
+        num_seqs=num_seqs, num_kv_heads=kv.num_kv_heads, head_size=head_size, v_head_size=kv.v_head_size, dtype=t,
+        kv=f"{kv.kind}:{kv.kv_cache_dtype}:{kv.block_size}", tiles=tiles, kv_split_size=split, max_splits=max_splits,
+        always_partials=always_partials, grid=(tiles * max_splits, kv.num_kv_heads, num_seqs),
+        threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
+        kernel=_main(t, KV_ENUM[kv.kv_cache_dtype], hd, vhd, shared),
+        reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None)
+
+
+def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
+    want = (plan.num_tokens, plan.num_heads, plan.head_size, plan.dtype, plan.num_kv_heads, plan.v_head_size, plan.kv)
+    got = (*q.shape, CTYPE.get(np.dtype(q.dtype)), kv.num_kv_heads, kv.v_head_size,
+           f"{kv.kind}:{kv.kv_cache_dtype}:{kv.block_size}")
+    if want != got:
+        raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
+
+
+def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, seq_lens, query_start_loc=None, *,
+                  scale=None, causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
+                  k_scale=1.0, v_scale=1.0, partials=None):
+    """Launch ``plan`` (the main kernel, then the split merge when it splits); returns ``out``. Arguments
+    are not validated beyond matching the plan: the ops do that before planning. ``lse``: float32
+    ``[num_heads, num_tokens]`` or None; ``partials``: (max_logits, exp_sums, tmp_output) of
+    ``plan.partial_shapes`` (allocated when None)."""
+    _check_plan(plan, q, kv)
+    xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+    scale = 1.0 / math.sqrt(plan.head_size) if scale is None else scale
+    k_ptr, v_ptr, ksv, vsv, per_head = kv_scale_args(xp, kv.kv_cache_dtype, k_scale, v_scale, kv.num_kv_heads)
+    if partials is None and plan.partial_shapes is not None:
+        partials = tuple(xp.empty(s, np.float32) for s in plan.partial_shapes)
+    max_logits, exp_sums, tmp_output = partials or (None, None, None)
+    p = np.zeros((), params_dtype())
+    qs, os_ = element_strides("q", q), element_strides("out", out)
+    for name, value in dict(
+            q_token_stride=qs[0], q_head_stride=qs[1], out_token_stride=os_[0], out_head_stride=os_[1],
+            table_stride=0 if block_tables is None else element_strides("block_tables", block_tables)[0],
+            scale=scale, softcap=softcap or 0.0, k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head,
+            causal=int(causal), window=sliding_window or 0, always_partials=int(plan.always_partials),
+            partials_in_out_type=int(tmp_output is not None and tmp_output.dtype != np.float32),
+            num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
+            head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
+            kv_split_size=plan.kv_split_size, max_splits=plan.max_splits, tiles=plan.tiles, vec_k=int(kv.vec_k),
+            vec_v=int(kv.vec_v), **kv.strides).items():
+        p[name] = value
+    kernel = FAMILY.function(plan.kernel, xp)
+    kernel.max_dynamic_shared_size_bytes = plan.shared_mem
+
+    def label():
+        return (f"b={plan.num_seqs} t={plan.num_tokens} h={plan.num_heads}/{plan.num_kv_heads} d={plan.head_size} "
+                f"{kv_dtype_name(kv.kv_cache_dtype, kv.key.dtype)}{' causal' if causal else ''} "
+                f"splits={plan.max_splits}")
+
+    def cost():
+        dense = block_tables is None
+        lens = np.diff(seq_lens) if dense else seq_lens
+        q_lens = np.ones(plan.num_seqs, np.int64) if query_start_loc is None else np.diff(query_start_loc)
+        return attention_cost(lens, q_lens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
+                              head_size=plan.head_size, v_head_size=plan.v_head_size, kv_itemsize=kv.key.itemsize,
+                              q_itemsize=q.itemsize, out_itemsize=out.itemsize,
+                              block_size=None if dense else kv.block_size, causal=causal, window=sliding_window or 0,
+                              lse=lse is not None, shared_kv=kv.kind == "mla",
+                              query_start_loc=query_start_loc is not None)
+
+    with op_range(plan.op, label):
+        with declare_launch(xp, plan.op, label, cost):
+            kernel(plan.grid, (plan.threads,),
+                   (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, sinks, alibi_slopes, k_ptr, v_ptr,
+                    out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp)), shared_mem=plan.shared_mem)
+        if plan.reduce_kernel is not None:  # sequences with one split were finished above
+            reduce = FAMILY.function(plan.reduce_kernel, xp)
+            reduce((plan.num_tokens, plan.num_heads), (plan.threads,),
+                   (out, lse, max_logits, exp_sums, tmp_output, seq_lens, np.int32(block_tables is None),
+                    query_start_loc, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
+    return out

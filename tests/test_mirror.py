@@ -1,0 +1,55 @@
+"""The Python mirrors of kernel constants and parameter structs (cupaged/_mirror.py) against what the
+compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field and PaSmem's size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupaged import attention, sim
+from cupaged._mirror import constants, struct_dtype
+
+
+def _probe_source() -> tuple[str, list[str], list[tuple]]:
+    fields = list(attention.params_dtype().names)
+    smem = [(hd, hd, False) for hd in attention.HEAD_BUCKETS] + [(*attention.MLA_BUCKET, True)]
+    lines = [f"  out[{1 + i}] = reinterpret_cast<const char*>(&p.{f}) - base;" for i, f in enumerate(fields)]
+    lines += [f"  out[{1 + len(fields) + i}] = cupaged::PaSmem<{hd}, {vhd}, {'true' if s else 'false'}>::FLOATS;"
+              for i, (hd, vhd, s) in enumerate(smem)]
+    probe = ('extern "C" __global__ void pa_layout(long long* out) {\n  cupaged::PaParams p;\n'
+             '  const char* base = reinterpret_cast<const char*>(&p);\n  out[0] = sizeof(cupaged::PaParams);\n'
+             + "\n".join(lines) + "\n}\n")
+    return attention.FAMILY.source + probe, fields, smem
+
+
+def test_params_struct_and_shared_memory_match_the_kernel():
+    source, fields, smem = _probe_source()
+    out = sim.zeros(1 + len(fields) + len(smem), np.int64)
+    sim.RawModule(code=source, options=("-std=c++17",)).get_function("pa_layout")((1,), (1,), (out,))
+    dtype = attention.params_dtype()
+    assert out[0] == dtype.itemsize
+    assert out[1:1 + len(fields)].tolist() == [dtype.fields[f][1] for f in fields]
+    assert [4 * int(n) for n in out[1 + len(fields):]] == [attention.smem_bytes(*s) for s in smem]
+
+
+def test_probe_compiles_under_nvrtc():
+    from cupaged._nvrtc import compile_cubin
+
+    assert compile_cubin(_probe_source()[0], arch="sm_90", options=("-std=c++17",)).cubin
+
+
+def test_constants_come_from_the_kernel_source():
+    c = attention.kernel_constants()
+    for name, value in c.items():
+        assert f"constexpr int {name} = {value};" in attention.FAMILY.source
+
+
+def test_struct_parser_on_a_hand_made_struct():
+    src = "struct S {\n  long long a, b;  // two\n  float x;\n  int n, m;\n  unsigned u;\n  double d;\n};"
+    dtype = struct_dtype(src, "S")
+    assert dtype.names == ("a", "b", "x", "n", "m", "u", "d")
+    assert [dtype.fields[n][1] for n in dtype.names] == [0, 8, 16, 20, 24, 28, 32] and dtype.itemsize == 40
+    with pytest.raises(ValueError, match="cannot mirror"):
+        struct_dtype("struct T { float* p; };", "T")
+    with pytest.raises(KeyError, match="NOPE"):
+        constants("constexpr int A = 1;", "NOPE")
