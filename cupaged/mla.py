@@ -13,7 +13,6 @@ from cupaged._runtime import array_module
 from cupaged.attention import MLA_BUCKET, KvView, plan_attention, run_attention
 from cupaged.cache_gather import gather_and_maybe_dequant_cache
 from cupaged.merge_attn_states import merge_attn_states
-from cupaged.varlen_attention import varlen_attention
 
 __all__ = ["mla_decode", "mla_chunked_prefill"]
 
@@ -90,7 +89,7 @@ def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, c
     workspace ``[workspace_tokens, latent]`` (q's dtype; allocated when not given), ``up_proj(latent_rows)
     -> (k, v)`` (caller-supplied: no weights live in cupaged; it must return k ``[n, num_kv_heads,
     qk_head_size]`` and v ``[n, num_kv_heads, v_head_size]`` in q's dtype), non-causal
-    ``varlen_attention`` with LSE, merged into the running state with ``merge_attn_states``; finally
+    dense varlen attention with LSE (as ``varlen_attention``), merged into the running state with ``merge_attn_states``; finally
     causal attention over the new tokens, merged last. Every input is checked before the first
     launch. Returns out ``[total_q, num_heads, v_head_size]`` (and LSE)."""
     xp = array_module(q=q, k_new=k_new, v_new=v_new, kv_cache=kv_cache, block_tables=block_tables,
@@ -109,11 +108,9 @@ def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, c
                                        xp.asarray(np.repeat(np.arange(batch, dtype=np.int32), lens)), n,
                                        kv_cache_dtype, k_scale, xp.asarray(seq_starts), validate=False)
         k_c, v_c = _up_projected(up_proj, rows, n, kv_shapes, q.dtype)
-        part = varlen_attention(q, k_c, v_c, cu_seqlens_q, xp.asarray(cu_k), scale=scale, causal=False,
-                                max_seqlen_k=int(lens.max()), return_lse=True, validate=False)
+        part = _attend(q, k_c, v_c, cu_seqlens_q, xp.asarray(cu_k), False, int(lens.max()), scale)
         state = part if state is None else _merge(xp, state, part)
-    new = varlen_attention(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, scale=scale, causal=True,
-                           out=out if state is None else None, return_lse=True, validate=False)
+    new = _attend(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, True, None, scale, out if state is None else None)
     if state is not None:
         new = _merge(xp, state, new, out=out)
     return new if return_lse else new[0]
@@ -208,6 +205,21 @@ def _up_projected(up_proj, rows, n, kv_shapes, dtype):
             raise ValueError(f"up_proj's {name} must be [{n}, {heads}, {size}] (num_kv_heads of k_new / v_new) of "
                              f"q's dtype {dtype}, got {got}")
     return result
+
+
+def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, max_seqlen_k, scale, out=None):
+    """Dense varlen attention of checked arguments, planned and run: (out, LSE)."""
+    for name, a in (("k", k), ("v", v)):
+        check_last_contiguous(f"up_proj's {name}" if max_seqlen_k else f"{name}_new", a)
+    out = check_out(out, q, "out", shape=(*q.shape[:2], v.shape[2]))
+    lse = (np if isinstance(q, np.ndarray) else __import__("cupy")).empty(q.shape[1::-1], np.float32)
+    if q.shape[0] == 0 or cu_seqlens_q.shape[0] == 1:
+        lse[...] = -np.inf
+        return out, lse
+    kv = KvView.dense(k, v)
+    plan = plan_attention(q, kv, None, cu_seqlens_k, cu_seqlens_q, max_seq_len=max_seqlen_k)
+    run_attention(plan, q, kv, out, lse, None, cu_seqlens_k, cu_seqlens_q, scale=scale, causal=causal)
+    return out, lse
 
 
 def _merge(xp, prefix, suffix, out=None):
