@@ -1,0 +1,89 @@
+"""The attention engine's public plan/run (cupaged/attention.py): one plan serves every layer, a plan
+and its K/V must agree, and a failed attention call writes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import reference
+from cupaged.testing import assert_close
+from tests.test_paged_attention import C, build
+
+F16 = np.float16
+MIXED = C(seqs=((1, 300), (40, 90), (3, 700)), heads=(4, 2), head_size=64)
+
+
+def test_plan_once_run_every_layer(backend):
+    """Two layers (two caches over one block table) with one plan, split-KV forced: each matches the op
+    and the reference."""
+    inputs0, options, ref0 = build(MIXED)
+    inputs1 = dict(inputs0, key_cache=(inputs0["key_cache"] * 0.5).astype(F16), value_cache=-inputs0["value_cache"])
+    layers = [(inputs0, options, ref0), (inputs1, options, reference.paged_attention(**inputs1, **options))]
+    q = backend.asarray(inputs0["q"])
+    index = {k: backend.asarray(inputs0[k]) for k in ("block_tables", "seq_lens", "query_start_loc")}
+    kv0 = cupaged.KvView.paged(backend.asarray(inputs0["key_cache"]), backend.asarray(inputs0["value_cache"]), q)
+    plan = cupaged.plan_attention(q, kv0, index["block_tables"], index["seq_lens"], index["query_start_loc"],
+                                  max_query_len=40, max_seq_len=700, kv_split_size=128)
+    assert (plan.op, plan.kv_split_size, plan.max_splits, plan.tiles) == ("prefill", 128, 6, 5)
+    assert plan.grid == (5 * 6, 2, 3) and plan.partial_shapes[2] == (44, 4, 6, 64)
+    for inputs, _, (ref_out, ref_lse) in layers:
+        layer_q = backend.asarray(inputs["q"])
+        kv = cupaged.KvView.paged(backend.asarray(inputs["key_cache"]), backend.asarray(inputs["value_cache"]), layer_q)
+        out, lse = backend.empty(layer_q.shape, F16), backend.empty((4, 44), np.float32)
+        cupaged.run_attention(plan, layer_q, kv, out, lse, index["block_tables"], index["seq_lens"],
+                              index["query_start_loc"], scale=0.125)
+        assert_close(backend.to_numpy(out), ref_out, F16, "out")
+        assert_close(backend.to_numpy(lse), ref_lse, "lse", "lse")
+        op_out = cupaged.paged_attention(layer_q, kv.key, kv.value, **index, **options, kv_split_size=128,
+                                         max_query_len=40, max_seq_len=700)
+        np.testing.assert_array_equal(backend.to_numpy(op_out), backend.to_numpy(out))  # the op is plan + run
+
+
+def test_run_rejects_a_plan_made_for_other_shapes(backend):
+    inputs, _, _ = build(MIXED)
+    q = backend.asarray(inputs["q"])
+    kv = cupaged.KvView.paged(backend.asarray(inputs["key_cache"]), backend.asarray(inputs["value_cache"]), q)
+    plan = cupaged.plan_attention(q, kv, inputs["block_tables"], inputs["seq_lens"], inputs["query_start_loc"])
+    fp8 = dataclasses.replace(kv, kv_cache_dtype="fp8")
+    out = backend.empty(q.shape, F16)
+    for bad_q, bad_kv in ((q[:3], kv), (q, fp8)):
+        with pytest.raises(ValueError, match="do not match the plan"):
+            cupaged.run_attention(plan, bad_q, bad_kv, out, None, backend.asarray(inputs["block_tables"]),
+                                  backend.asarray(inputs["seq_lens"]), backend.asarray(inputs["query_start_loc"]))
+
+
+def test_a_failed_attention_call_writes_nothing(backend):
+    """Bad input raises before any launch: out, lse and the caches keep every byte."""
+    inputs, options, _ = build(MIXED)
+    args = {k: backend.asarray(v) for k, v in inputs.items()}
+    out = backend.asarray(np.full(inputs["q"].shape, 7.0, F16))
+    caches = [backend.to_numpy(args[k]).copy() for k in ("key_cache", "value_cache")]
+    for bad in (dict(sinks=np.zeros(3, np.float32)), dict(scale="x"), dict(sliding_window=-2),
+                dict(kv_split_size=0), dict(layout="vllm")):
+        with pytest.raises((ValueError, TypeError)):
+            cupaged.paged_attention(**args, **{**options, **bad}, out=out)
+        np.testing.assert_array_equal(backend.to_numpy(out), 7.0)
+        for c, k in zip(caches, ("key_cache", "value_cache")):
+            np.testing.assert_array_equal(backend.to_numpy(args[k]).view(np.uint8), c.view(np.uint8))
+
+
+def test_varlen_max_seqlen_k_is_a_grid_hint():
+    """Dense varlen: with max_seqlen_k a long key range is split across CTAs (few sequences), without
+    it one pass; both equal the reference."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((8, 4, 64)).astype(F16)
+    k, v = (rng.standard_normal((2400, 2, 64)).astype(F16) for _ in range(2))
+    cu_q = np.array([0, 3, 8], np.int32)  # 3 and 5 queries over 1500 and 900 keys
+    cu_k = np.array([0, 1500, 2400], np.int32)
+    kv = cupaged.KvView.dense(k, v)
+    assert cupaged.plan_attention(q, kv, None, cu_k, cu_q, max_seq_len=1500).max_splits > 1
+    assert cupaged.plan_attention(q, kv, None, cu_k, cu_q).max_splits == 1
+    ref_out, ref_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    for hint in (None, 1500):
+        out, lse = cupaged.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_k=hint, return_lse=True)
+        assert_close(out, ref_out, F16, "out")
+        assert_close(lse, ref_lse, "lse", "lse")
