@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._cache_args import cache_dtype, check_index, host_copy
+from cupaged._backend import empty, host_copy, module_of
+from cupaged._cache_args import cache_dtype, check_index
 from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_float, check_last_contiguous, \
     check_ndim, element_strides
 
@@ -117,13 +118,8 @@ def check_head_vector(name, a, num_heads, xp):
 def check_out(out, like, name, shape=None):
     """``out`` given: the expected shape and dtype, last dimension contiguous; else a new array."""
     shape = tuple(like.shape) if shape is None else tuple(shape)
-    xp = np if isinstance(like, np.ndarray) else __import__("cupy")
     if out is None:
-        if xp is np:
-            from cupaged import sim
-
-            return sim.empty(shape, like.dtype)
-        return xp.empty(shape, like.dtype)
+        return empty(module_of(like), shape, like.dtype)
     if tuple(out.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
     if out.dtype != like.dtype:

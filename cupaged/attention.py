@@ -18,17 +18,17 @@ import numpy as np
 
 from cupaged._annotate import declare_launch, op_range
 from cupaged._attention_args import check_caches
+from cupaged._backend import empty, module_of, sm_count, struct_arg
 from cupaged._cache_args import kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, address, element_strides
 from cupaged._cost import attention_cost
 from cupaged._mirror import constants, struct_dtype
-from cupaged._runtime import KernelFamily, struct_arg
+from cupaged._runtime import KernelFamily
 
 __all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "FAMILY", "HEAD_BUCKETS", "MLA_BUCKET"]
 
 HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
-NOMINAL_SMS = 132  # H100/H200, for sizing splits on the sim
 KV_ENUM = {"auto": "cupaged::KV_AUTO", "fp8": "cupaged::KV_E4M3", "fp8_e4m3": "cupaged::KV_E4M3",
            "fp8_e5m2": "cupaged::KV_E5M2"}  # enum KvDtype in kernels_cu/common.cuh
 _TYPES = ("float", "__half", "__nv_bfloat16")
@@ -154,14 +154,10 @@ class AttentionPlan:
         return rows, rows, (*rows, self.v_head_size)
 
 
-def _sm_count(xp) -> int:
-    return NOMINAL_SMS if xp is np else xp.cuda.Device().attributes["MultiProcessorCount"]
-
-
 def choose_split(xp, ctas: int, max_kv: int) -> int:
     """kv_split_size=None: split long contexts until ~2 CTAs per SM have work (0 = no split).
     Chosen from the batch's shape, so only a fixed kv_split_size is batch-invariant."""
-    target = 2 * _sm_count(xp)
+    target = 2 * sm_count(xp)
     if ctas >= target or max_kv <= 256:
         return 0
     splits = math.ceil(target / max(ctas, 1))
@@ -183,7 +179,7 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
     max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kv.kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (block_tables.shape[1] * kv.block_size if not dense else 0)
-    xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+    xp = module_of(q)
     split = choose_split(xp, num_seqs * kv.num_kv_heads * tiles, max_kv) if kv_split_size is None else kv_split_size
     if max_splits is None:
         max_splits = max(1, -(-max_kv // split)) if split else 1
@@ -217,11 +213,11 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
     ``[num_heads, num_tokens]`` or None; ``partials``: (max_logits, exp_sums, tmp_output) of
     ``plan.partial_shapes`` (allocated when None)."""
     _check_plan(plan, q, kv)
-    xp = np if isinstance(q, np.ndarray) else __import__("cupy")
+    xp = module_of(q)
     scale = 1.0 / math.sqrt(plan.head_size) if scale is None else scale
     k_ptr, v_ptr, ksv, vsv, per_head = kv_scale_args(xp, kv.kv_cache_dtype, k_scale, v_scale, kv.num_kv_heads)
     if partials is None and plan.partial_shapes is not None:
-        partials = tuple(xp.empty(s, np.float32) for s in plan.partial_shapes)
+        partials = tuple(empty(xp, s, np.float32) for s in plan.partial_shapes)
     max_logits, exp_sums, tmp_output = partials or (None, None, None)
     p = np.zeros((), params_dtype())
     qs, os_ = element_strides("q", q), element_strides("out", out)

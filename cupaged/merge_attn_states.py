@@ -16,7 +16,8 @@ from cupaged._annotate import op_launch
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
     check_writable, element_strides
 from cupaged._cost import Cost
-from cupaged._runtime import KernelFamily, array_module
+from cupaged._backend import array_module
+from cupaged._runtime import KernelFamily
 
 __all__ = ["merge_attn_states"]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from cupaged._attention_args import check_out, check_q, check_tables, validate_offsets, validate_tables
-from cupaged._cache_args import cache_dtype, check_index, check_scale_values, host_copy, scale_args
+from cupaged._cache_args import cache_dtype, check_index, check_scale_values, scale_args
 from cupaged._checks import check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
     check_optional_int, check_writable, validate_enabled
-from cupaged._runtime import array_module
+from cupaged._backend import array_module, empty, host_copy, module_of
 from cupaged.attention import MLA_BUCKET, KvView, plan_attention, run_attention
 from cupaged.cache_gather import gather_and_maybe_dequant_cache
 from cupaged.merge_attn_states import merge_attn_states
@@ -62,7 +62,7 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
     return_lse = check_bool("return_lse", return_lse)
     check_writable("out", out)
     out = check_out(out, q, "out", shape=(num_seqs, num_heads, kv_lora_rank))
-    lse = xp.empty((num_heads, num_seqs), np.float32) if return_lse else None
+    lse = empty(xp, (num_heads, num_seqs), np.float32) if return_lse else None
     if validate_enabled(validate):
         validate_tables(block_tables, seq_lens, None, kv_cache.shape[0], kv_cache.shape[1], num_seqs,
                         max_seq_len=max_seq_len)
@@ -178,7 +178,7 @@ def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqle
     tokens = int(workspace_tokens) if workspace is None else workspace.shape[0]
     return dict(batch=batch, kv_shapes=((num_kv_heads, qk_head_size), (num_kv_heads, v_head_size)),
                 chunks=_chunks(contexts, tokens),
-                workspace=xp.empty((min(tokens, int(contexts.sum())), latent), q.dtype) if workspace is None else None)
+                workspace=empty(xp, (min(tokens, int(contexts.sum())), latent), q.dtype) if workspace is None else None)
 
 
 def _chunks(contexts, tokens):
@@ -212,7 +212,7 @@ def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, max_seqlen_k, scale, ou
     for name, a in (("k", k), ("v", v)):
         check_last_contiguous(f"up_proj's {name}" if max_seqlen_k else f"{name}_new", a)
     out = check_out(out, q, "out", shape=(*q.shape[:2], v.shape[2]))
-    lse = (np if isinstance(q, np.ndarray) else __import__("cupy")).empty(q.shape[1::-1], np.float32)
+    lse = empty(module_of(q), q.shape[1::-1], np.float32)
     if q.shape[0] == 0 or cu_seqlens_q.shape[0] == 1:
         lse[...] = -np.inf
         return out, lse
@@ -223,7 +223,7 @@ def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, max_seqlen_k, scale, ou
 
 
 def _merge(xp, prefix, suffix, out=None):
-    output = xp.empty_like(prefix[0]) if out is None else out
-    output_lse = xp.empty_like(prefix[1])
+    output = empty(xp, prefix[0].shape, prefix[0].dtype) if out is None else out
+    output_lse = empty(xp, prefix[1].shape, prefix[1].dtype)
     merge_attn_states(output, prefix[0], prefix[1], suffix[0], suffix[1], output_lse)
     return output, output_lse

@@ -11,7 +11,7 @@ import numpy as np
 from cupaged._attention_args import check_head_vector, check_out, check_q, check_softcap, check_tables, validate_tables
 from cupaged._cache_args import check_scale_values, kv_scale_args
 from cupaged._checks import address, check_bool, check_choice, check_float, check_optional_int, check_writable, validate_enabled
-from cupaged._runtime import array_module
+from cupaged._backend import array_module, empty
 from cupaged.attention import FAMILY, HEAD_BUCKETS, KvView, plan_attention, run_attention
 
 __all__ = ["paged_attention", "HEAD_BUCKETS", "FAMILY"]
@@ -53,7 +53,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     check_writable("out", out)
     check_writable("workspace", workspace)
     out = check_out(out, q, "out")
-    lse = xp.empty((num_heads, num_tokens), np.float32) if return_lse else None
+    lse = empty(xp, (num_heads, num_tokens), np.float32) if return_lse else None
     if validate_enabled(validate):
         validate_tables(block_tables, seq_lens, query_start_loc, key_cache.shape[0], kv.block_size, num_tokens,
                         max_query_len=max_query_len, max_seq_len=max_seq_len)

@@ -9,7 +9,7 @@ import numpy as np
 from cupaged._attention_args import check_head_vector, check_out, check_q, check_tables, validate_tables
 from cupaged._cache_args import check_scale_values
 from cupaged._checks import check_dtype, check_float, check_int, check_ndim, check_writable, validate_enabled
-from cupaged._runtime import array_module
+from cupaged._backend import array_module
 from cupaged.attention import KvView, plan_attention, run_attention
 
 __all__ = ["paged_attention_v1", "paged_attention_v2", "PARTITION_SIZE"]

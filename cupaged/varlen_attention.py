@@ -11,7 +11,7 @@ from cupaged._attention_args import check_hint, check_out, check_q, validate_off
 from cupaged._cache_args import check_index
 from cupaged._checks import check_bool, check_float, check_last_contiguous, check_ndim, check_optional_int, \
     check_writable, validate_enabled
-from cupaged._runtime import array_module
+from cupaged._backend import array_module, empty
 from cupaged.attention import KvView, plan_attention, run_attention
 
 __all__ = ["varlen_attention"]
@@ -58,7 +58,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     max_seqlen_k = check_optional_int("max_seqlen_k", max_seqlen_k, 0)
     check_writable("out", out)
     out = check_out(out, q, "out", shape=(total_q, num_heads, v_head_size))
-    lse = xp.empty((num_heads, total_q), np.float32) if return_lse else None
+    lse = empty(xp, (num_heads, total_q), np.float32) if return_lse else None
     if validate_enabled(validate):
         for name, cu, total, hint in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                       ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):

@@ -14,12 +14,9 @@ PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 NVL": 3900.0, "H100 PCIe"
 
 def gpu():
     """cupy when a GPU is usable, else None."""
-    try:
-        import cupy
+    from cupaged._backend import gpu_module
 
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:  # no cupy, driver or device
-        return None
+    return gpu_module()
 
 
 def peak_bandwidth_gbps(cp) -> tuple[str, float | None]:

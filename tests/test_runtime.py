@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from cupaged import _runtime
-from cupaged._runtime import KernelFamily, array_module, families, kernels_dir
+from cupaged._backend import array_module
+from cupaged._runtime import KernelFamily, families, kernels_dir
 
 
 def test_kernels_dir_holds_every_family_source():
@@ -106,7 +107,7 @@ def test_selftest_streams_rows_in_fixed_columns(monkeypatch):
 
 def test_struct_arg_for_each_backend(monkeypatch):
     """The sim gets the numpy scalar; CuPy gets a CPointer to the struct's bytes."""
-    from cupaged._runtime import struct_arg
+    from cupaged._backend import struct_arg
 
     value = np.zeros((), np.dtype([("a", np.int64), ("b", np.float32)], align=True))
     assert isinstance(struct_arg(value, np), np.void) and struct_arg(value, np).dtype.itemsize == 16

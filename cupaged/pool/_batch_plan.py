@@ -10,21 +10,16 @@ import sys
 
 import numpy as np
 
+from cupaged._backend import gpu_module
+
 __all__ = ["BatchPlan", "PinnedStaging", "default_array_module"]
 
 
 def default_array_module():
     """cupy when it imports and sees a device, else ``cupaged.sim`` (guarded numpy)."""
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except Exception:  # no cupy, no driver or no device: all mean "run on the sim"
-        pass
     from cupaged import sim
 
-    return sim
+    return gpu_module() or sim
 
 
 def resolve_array_module(xp, name="xp"):
