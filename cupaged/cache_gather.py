@@ -1,22 +1,37 @@
-"""Reading and moving cache blocks (kernels_cu/cache_ops.cu): gather rows of sequences into a dense
+"""Reading and moving cache blocks (kernels_cu/cache_gather.cu): gather rows of sequences into a dense
 buffer (with fp8 dequantization), copy blocks inside a cache (copy-on-write), swap blocks between
-caches (host <-> device)."""
+caches (host <-> device, no kernel)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from cupaged._annotate import op_launch
-from cupaged._cache_args import KV_CODE, cache_dtype, check_index, check_scale_values, host_copy, scale_args
+from cupaged._cache_args import KV_CODE, cache_dtype, check_index, check_scale_values, scale_args
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
     check_writable, element_strides, validate_enabled
 from cupaged._cost import Cost
-from cupaged._runtime import array_module
-from cupaged.cache_ops import FAMILY, _gather, _words
+from cupaged._backend import array_module, host_copy
+from cupaged._runtime import KernelFamily
 
 __all__ = ["gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks", "swap_blocks"]
 
 _THREADS = 256
+_WORDS = (1, 16)  # raw copies move 16-byte words when every address and stride allows, else bytes
+
+
+def _gather(t, kv):
+    return f"cupaged::gather_and_maybe_dequant_cache_kernel<{t}, {kv}>"
+
+
+def _words(kernel, word):
+    return f"cupaged::{kernel}<{word}>"
+
+
+FAMILY = KernelFamily("cache_gather", [
+    *(_gather(CTYPE[d], kv) for d in FLOAT_DTYPES for kv in (0, 1, 2)),
+    *(_words(k, w) for k in ("cp_gather_cache_kernel", "copy_blocks_kernel") for w in _WORDS),
+])
 
 
 def _check_tables(block_table, cu_seq_lens, seq_starts, batch: int):

@@ -1,5 +1,5 @@
 """KV cache writes (kernels_cu/cache_ops.cu): new keys/values into the paged cache in the flash,
-vLLM and MLA layouts, fp8 with scales. Gathers, block copies and swaps are in cache_gather.py."""
+vLLM and MLA layouts, fp8 with scales. Gathers, block copies and swaps: cache_gather.py."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from cupaged._checks import (
 )
 from cupaged._annotate import op_launch
 from cupaged._cost import Cost
-from cupaged._runtime import KernelFamily, array_module
+from cupaged._backend import array_module
+from cupaged._runtime import KernelFamily
 
 __all__ = ["reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla"]
 
@@ -50,21 +51,11 @@ def _mla(t, kv, slot):
     return f"cupaged::concat_and_cache_mla_kernel<{t}, {kv}, {slot}>"
 
 
-def _gather(t, kv):
-    return f"cupaged::gather_and_maybe_dequant_cache_kernel<{t}, {kv}>"
-
-
-def _words(kernel, word):
-    return f"cupaged::{kernel}<{word}>"
-
-
 _TYPES = [(CTYPE[d], 16 // d.itemsize) for d in FLOAT_DTYPES]
 FAMILY = KernelFamily("cache_ops", [
     *(_flash(t, kv, s, v) for t, vec in _TYPES for kv in (0, 1, 2) for s in SLOTS for v in (1, vec)),
     *(_vllm(t, kv, s, v) for t, _ in _TYPES for kv in (0, 1, 2) for s in SLOTS for v in (False, True)),
     *(_mla(t, kv, s) for t, _ in _TYPES for kv in (0, 1, 2) for s in SLOTS),
-    *(_gather(t, kv) for t, _ in _TYPES for kv in (0, 1, 2)),
-    *(_words(k, w) for k in ("cp_gather_cache_kernel", "copy_blocks_kernel") for w in (1, 16)),
 ])
 
 
