@@ -1,4 +1,5 @@
-"""Benchmark of the KV cache ops (kernels_cu/cache_ops.cu): achieved GB/s and % of peak.
+"""Benchmark of the KV cache writes (kernels_cu/cache_ops.cu): achieved GB/s and % of peak.
+Gathers and block copies: bench_cache_gather.py.
 
 GPU: each op is timed with CUDA events, L2 flushed between reps, inside an NVTX range named by its
 config; bytes moved = bytes read + bytes written. Sim (no GPU): one tiny size per op as a smoke
@@ -65,38 +66,13 @@ def mla_write(xp, alloc, tokens, block_size, kv="auto"):
             lambda: cupaged.concat_and_cache_mla(kv_c, k_pe, cache, slots, kv, 0.05), nbytes)
 
 
-def mla_gather(xp, alloc, tokens, block_size, kv="auto"):
-    rng = np.random.default_rng(0)
-    num_blocks = -(-tokens // block_size)
-    cache = xp.asarray(rng.integers(0, 120, (num_blocks, block_size, 576)).astype(np.uint8)) if kv != "auto" else \
-        xp.asarray(rng.standard_normal((num_blocks, block_size, 576)).astype(np.float16))
-    table = xp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(1, -1))
-    cu = xp.asarray(np.array([0, tokens], np.int32))
-    t2s = xp.asarray(np.zeros(tokens, np.int32))
-    dst = alloc((tokens, 576), np.float16)
-    nbytes = cache.nbytes + dst.nbytes
-    return (f"gather_and_maybe_dequant_cache t={tokens} bs={block_size} {kv}->fp16",
-            lambda: cupaged.gather_and_maybe_dequant_cache(cache, dst, table, cu, t2s, tokens, kv, 0.05), nbytes)
-
-
-def copy(xp, alloc, num_pairs, block_bytes_shape):
-    rng = np.random.default_rng(0)
-    caches = [alloc((2 * num_pairs, *block_bytes_shape), np.float16) for _ in range(2)]
-    perm = rng.permutation(2 * num_pairs)
-    mapping = xp.asarray(np.stack([perm[:num_pairs], perm[num_pairs:]], axis=1).astype(np.int64))
-    nbytes = 2 * 2 * num_pairs * int(np.prod(block_bytes_shape)) * 2
-    return (f"copy_blocks pairs={num_pairs} block={block_bytes_shape} fp16 K+V",
-            lambda: cupaged.copy_blocks(caches[:1], caches[1:], mapping), nbytes)
-
-
 GPU = [
     (flash, (4096, 8, 128, 16)), (flash, (16384, 8, 128, 16)), (flash, (16384, 8, 128, 16, "HND")),
     (flash, (16384, 8, 128, 16, "NHD", "fp8")), (vllm, (16384, 8, 128, 16)), (vllm, (16384, 8, 128, 16, "fp8")),
-    (mla_write, (16384, 64)), (mla_write, (16384, 64, "fp8")), (mla_gather, (32768, 64)),
-    (mla_gather, (32768, 64, "fp8")), (copy, (1024, (16, 8, 128))),
+    (mla_write, (16384, 64)), (mla_write, (16384, 64, "fp8")),
 ]
 SIM = [(flash, (64, 4, 128, 16)), (flash, (64, 4, 128, 16, "HND", "fp8")), (vllm, (64, 4, 128, 16)),
-       (mla_write, (64, 16)), (mla_gather, (64, 16, "fp8")), (copy, (8, (16, 4, 64)))]
+       (mla_write, (64, 16))]
 
 
 def _shape(op, tokens, heads, head_size, kv):

@@ -28,7 +28,7 @@ import _report_plots  # noqa: E402
 
 # Cheap benches first: each gets an equal share of the budget left, so the time the small ones do
 # not use rolls over to the paged-attention sweep, the longest.
-BENCHES = ("bench_merge", "bench_cache_ops", "bench_mla", "bench_paged_attention")
+BENCHES = ("bench_merge_attn_states", "bench_cache_ops", "bench_cache_gather", "bench_mla", "bench_paged_attention")
 BUDGET_S = 480.0
 PROXY = ("Model rows are a proxy, not a benchmark: they are the fixed H200 model of cupaged/sim/model.py "
          "applied to the traffic the sim counted; only a GPU measurement says how fast a kernel is.")

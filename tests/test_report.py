@@ -160,8 +160,8 @@ def test_bench_command(report):
     cmd = report.bench_command("bench_paged_attention", "out", model=True, quick=False)
     assert cmd[0] == sys.executable and cmd[1].endswith("bench_paged_attention.py")
     assert cmd[2:] == ["--json", os.path.join("out", "bench_paged_attention.json"), "--model", "--sweep"]
-    assert report.bench_command("bench_merge", "out", model=False, quick=True)[2:] == [
-        "--json", os.path.join("out", "bench_merge.json")]
+    assert report.bench_command("bench_merge_attn_states", "out", model=False, quick=True)[2:] == [
+        "--json", os.path.join("out", "bench_merge_attn_states.json")]
 
 
 FAKE_BENCH = """import json, sys, time

@@ -6,8 +6,8 @@ kernel is a pure stream: its bound is those bytes / HBM bandwidth). Sim (no GPU)
 smoke test; those are CPU timings of the simulator, not GPU timings. ``--model`` (sim): the H200
 model of a 16k-token x 32-head fp16 merge, projected from 512 tokens (profiling/_model.py).
 
-    python profiling/bench_merge.py [--json out.json] [--model]
-    nsys profile -t cuda,nvtx python profiling/bench_merge.py
+    python profiling/bench_merge_attn_states.py [--json out.json] [--model]
+    nsys profile -t cuda,nvtx python profiling/bench_merge_attn_states.py
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ MODEL = [(dict(op="merge_attn_states", batch=1, context=16384, q_len=16384, num_
 
 
 def main(argv=None):
-    _bench.run_bandwidth_table(GPU, SIM, MODEL, "merge", argv, __doc__)
+    _bench.run_bandwidth_table(GPU, SIM, MODEL, "merge_attn_states", argv, __doc__)
 
 
 if __name__ == "__main__":
