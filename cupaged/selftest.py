@@ -1,9 +1,11 @@
 """``python -m cupaged selftest``: compile every shipped kernel on the backend at hand (the sim
 without a GPU), run each on a small random case against cupaged.reference, print one table.
 
-Each kernel family contributes cases to CASES: a case takes (asarray, rng) and returns
-(max abs error, tolerance) for one small problem. Rows are printed as the cases finish (the first
-case of a family waits for its compile, announced on stderr).
+Each kernel family contributes cases to CASES: a case takes (asarray, rng) and returns (error, bound)
+of its worst element under the elementwise rule |got - ref| <= atol + rtol · |ref|
+(cupaged.testing.compare): the case passes when error <= bound, i.e. when every element does. Rows
+are printed as the cases finish (the first case of a family waits for its compile, announced on
+stderr). Attention cases read poisoned caches built by cupaged.testing.paged_kv.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_decode
 from cupaged.paged_attention import paged_attention
 from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
-from cupaged.tolerances import TOLERANCES, tolerance
+from cupaged.testing import compare, paged_kv, tolerance
 from cupaged.varlen_attention import varlen_attention
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
@@ -27,19 +29,14 @@ from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_a
 __all__ = ["CASES", "run"]
 
 
-def _to_numpy(a):
-    return a if isinstance(a, np.ndarray) else a.get()
+def _worst(*checks):
+    """(error, bound) of the element nearest (or furthest past) its bound over (got, ref, tolerance)
+    checks; a tolerance is what cupaged.testing.compare takes, (0, 0) for exact (uint8 caches: codes)."""
+    worst = max((compare(got, ref, tol) for got, ref, tol in checks), key=lambda c: c.ratio)
+    return worst.error, worst.bound
 
 
-def _max_err(pairs) -> float:
-    """Max |got - ref| over (got, ref) pairs; inf when NaN positions differ (uint8 caches compare as codes)."""
-    err = 0.0
-    for got, ref in pairs:
-        got, ref = _to_numpy(got).astype(np.float64), np.asarray(ref).astype(np.float64)
-        if got.shape != ref.shape or not np.array_equal(np.isnan(got), np.isnan(ref)):
-            return float("inf")
-        err = max(err, float(np.nanmax(np.abs(got - ref), initial=0.0)))
-    return err
+EXACT = (0.0, 0.0)
 
 
 def _kv(rng, tokens, heads, head_size, dtype):
@@ -69,7 +66,7 @@ def _flash(dtype, layout, kv_cache_dtype="auto"):
                                 layout=layout)
         rk, rv = reference.reshape_and_cache_flash(key, value, cache, cache, slots, kv_cache_dtype, 0.05, 0.07,
                                                    layout=layout)
-        return _max_err([(kc, rk), (vc, rv)]), 0.0  # a copy / quantization must be exact
+        return _worst((kc, rk, EXACT), (vc, rv, EXACT))  # a copy / quantization must be exact
     return case
 
 
@@ -84,7 +81,7 @@ def _vllm(dtype, kv_cache_dtype):
         kc, vc = asarray(kc0), asarray(vc0)
         reshape_and_cache(asarray(key), asarray(value), kc, vc, asarray(slots), kv_cache_dtype, 0.05, 0.07)
         rk, rv = reference.reshape_and_cache(key, value, kc0, vc0, slots, kv_cache_dtype, 0.05, 0.07)
-        return _max_err([(kc, rk), (vc, rv)]), 0.0
+        return _worst((kc, rk, EXACT), (vc, rv, EXACT))
     return case
 
 
@@ -108,7 +105,7 @@ def _mla_write_and_gather(dtype, kv_cache_dtype):
                                        kv_cache_dtype, 0.05, asarray(starts))
         ref_dst = reference.gather_and_maybe_dequant_cache(ref_cache, dst0, table, cu, t2s, 45, kv_cache_dtype, 0.05,
                                                            starts)
-        return _max_err([(cache, ref_cache), (dst, ref_dst)]), 0.0
+        return _worst((cache, ref_cache, EXACT), (dst, ref_dst, EXACT))
     return case
 
 
@@ -124,43 +121,24 @@ def _copy_and_cp_gather(asarray, rng):
     dst = asarray(dst0)
     cp_gather_cache(asarray(ref_k[0]), dst, asarray(table), asarray(cu), 4)
     ref_dst = reference.cp_gather_cache(ref_k[0], dst0, table, cu, 4)
-    return _max_err([(got[0], ref_k[0]), (got[1], ref_v[0]), (dst, ref_dst)]), 0.0
+    return _worst((got[0], ref_k[0], EXACT), (got[1], ref_v[0], EXACT), (dst, ref_dst, EXACT))
 
 
-def _paged_pool(rng, seqs, heads, head_size, block_size, dtype, kv_cache_dtype):
-    """Random NHD caches holding each sequence's keys, a shuffled block table, q and the scales."""
-    num_heads, num_kv_heads = heads
-    need = [-(-s // block_size) for _, s in seqs]
-    num_blocks = sum(need) + 3
-    ids = rng.permutation(num_blocks)
-    table = np.zeros((len(seqs), max(need) + 1), np.int32)
-    used = 0
-    for i, n in enumerate(need):
-        table[i, :n] = ids[used:used + n]
-        used += n
-    k = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_size)).astype(np.float32)
-    v = rng.standard_normal(k.shape).astype(np.float32)
-    scale = 0.05
-    if kv_cache_dtype == "auto":
-        k, v = k.astype(dtype), v.astype(dtype)
-    else:
-        k, v = (reference.quantize_fp8(x, scale, kv_cache_dtype) for x in (k, v))
-    q = rng.standard_normal((sum(ql for ql, _ in seqs), num_heads, head_size)).astype(dtype)
-    seq_lens = np.array([s for _, s in seqs], np.int32)
-    return q, k, v, table, seq_lens, scale
-
-
-def _bounded(pairs, tol):
-    """(max |got - ref|, atol + rtol * max |ref|) over (got, ref) pairs."""
-    atol, rtol = tol
-    err = _max_err(pairs)
-    return err, atol + rtol * max(float(np.abs(np.asarray(r, np.float64)).max(initial=0.0)) for _, r in pairs)
+def _paged_pool(rng, seqs, heads, head_size, dtype, kv_cache_dtype="auto", layout="NHD"):
+    """q and poisoned caches holding each sequence's keys at shuffled blocks (block size 16), the table's
+    tail other sequences' blocks, fp8 at scale 0.05 (cupaged.testing.paged_kv)."""
+    kv = paged_kv([s for _, s in seqs], block_size=16, head_size=head_size, num_kv_heads=heads[1], dtype=dtype,
+                  layout=layout, kv_cache_dtype=kv_cache_dtype, kv_scale=0.05, spare_blocks=3, spare_columns=1,
+                  table_tail="other_blocks", rng=rng)
+    q = rng.standard_normal((sum(ql for ql, _ in seqs), heads[0], head_size)).astype(dtype)
+    return q, kv
 
 
 def _attention(dtype, kv_cache_dtype="auto", **options):
     def case(asarray, rng):
         seqs = ((1, 300), (6, 40), (20, 20))
-        q, k, v, table, seq_lens, scale = _paged_pool(rng, seqs, (8, 2), 80, 16, dtype, kv_cache_dtype)
+        q, kv = _paged_pool(rng, seqs, (8, 2), 80, dtype, kv_cache_dtype)
+        k, v, table, seq_lens, scale = kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, kv.k_scale
         qsl = np.array([0, 1, 7, 27], np.int32)
         opts = dict(options)
         split = opts.pop("kv_split_size", None)
@@ -172,19 +150,15 @@ def _attention(dtype, kv_cache_dtype="auto", **options):
                                    kv_split_size=split, **dev_opts)
         ref_out, ref_lse = reference.paged_attention(q, k, v, table, seq_lens, qsl, kv_cache_dtype=kv_cache_dtype,
                                                      k_scale=scale, v_scale=scale, **opts)
-        err, tol = _bounded([(out, ref_out)], tolerance(dtype, kv_cache_dtype))
-        lse_err, lse_tol = _bounded([(lse, ref_lse)], TOLERANCES["lse"])
-        return (err, tol) if err / tol >= lse_err / lse_tol else (lse_err, lse_tol)
+        return _worst((out, ref_out, tolerance(dtype, kv_cache_dtype)), (lse, ref_lse, "lse"))
     return case
 
 
 def _vllm_attention(version):
     def case(asarray, rng):
         seqs = ((1, 700), (1, 33), (1, 1))
-        q, k, v, table, seq_lens, _ = _paged_pool(rng, seqs, (8, 2), 64, 16, np.float16, "auto")
-        nb, bs, h, d = k.shape
-        kv = np.ascontiguousarray(k.reshape(nb, bs, h, d // 8, 8).transpose(0, 2, 3, 1, 4))
-        vv = np.ascontiguousarray(v.transpose(0, 2, 3, 1))
+        q, pool = _paged_pool(rng, seqs, (8, 2), 64, np.float16, layout="vllm")
+        kv, vv, table, seq_lens = pool.key_cache, pool.value_cache, pool.block_tables, pool.seq_lens
         out = asarray(np.zeros(q.shape, np.float16))
         args = (asarray(q), asarray(kv), asarray(vv), 2, 0.125, asarray(table), asarray(seq_lens), 16, 700, None)
         if version == 1:
@@ -193,7 +167,7 @@ def _vllm_attention(version):
             parts = [asarray(np.zeros((3, 8, 2), np.float32)) for _ in range(2)]
             paged_attention_v2(out, *parts, asarray(np.zeros((3, 8, 2, 64), np.float16)), *args)
         ref = reference.paged_attention_v1(q, kv, vv, 2, 0.125, table, seq_lens)
-        return _bounded([(out, ref)], TOLERANCES[np.dtype(np.float16)])
+        return _worst((out, ref, np.float16))
     return case
 
 
@@ -207,12 +181,7 @@ def _merge(dtype):
         out, out_lse = asarray(np.zeros_like(po)), asarray(np.zeros((heads, tokens), np.float32))
         merge_attn_states(out, asarray(po), asarray(pl), asarray(so), asarray(sl), out_lse, with_context)
         ref, ref_lse = reference.merge_attn_states(po, pl, so, sl, with_context)
-        err, tol = _bounded([(out, ref)], TOLERANCES[np.dtype(dtype)])
-        got_lse, finite = _to_numpy(out_lse), np.isfinite(ref_lse)
-        lse_err, lse_tol = _bounded([(got_lse[finite], ref_lse[finite])], TOLERANCES["lse"])
-        if not np.array_equal(got_lse[~finite], ref_lse[~finite]):
-            lse_err = float("inf")
-        return (err, tol) if err / tol >= lse_err / lse_tol else (lse_err, lse_tol)
+        return _worst((out, ref, dtype), (out_lse, ref_lse, "lse"))  # an infinite LSE must match exactly
     return case
 
 
@@ -225,19 +194,19 @@ def _varlen(dtype, causal):
         out, lse = varlen_attention(asarray(q), asarray(k), asarray(v), asarray(cq), asarray(ck), causal=causal,
                                     return_lse=True)
         ref, ref_lse = reference.varlen_attention(q, k, v, cq, ck, causal=causal)
-        return _bounded([(out, ref)], tolerance(dtype))
+        return _worst((out, ref, tolerance(dtype)), (lse, ref_lse, "lse"))
     return case
 
 
 def _mla(dtype, kv_cache_dtype):
     def case(asarray, rng):
-        q, cache, _, table, seq_lens, _ = _paged_pool(rng, ((1, 300), (1, 17), (1, 0)), (32, 1), 576, 16, dtype,
-                                                      kv_cache_dtype)
-        cache = np.ascontiguousarray(cache[:, :, 0])
+        q, kv = _paged_pool(rng, ((1, 300), (1, 17), (1, 0)), (32, 1), 576, dtype, kv_cache_dtype, layout="mla")
+        cache, table, seq_lens = kv.key_cache, kv.block_tables, kv.seq_lens
         out = mla_decode(asarray(q), asarray(cache), asarray(table), asarray(seq_lens), scale=0.04,
-                         kv_cache_dtype=kv_cache_dtype, k_scale=0.05, kv_split_size=128)
-        ref, _ = reference.mla_decode(q, cache, table, seq_lens, scale=0.04, kv_cache_dtype=kv_cache_dtype, k_scale=0.05)
-        return _bounded([(out, ref)], tolerance(dtype, kv_cache_dtype))
+                         kv_cache_dtype=kv_cache_dtype, k_scale=kv.k_scale, kv_split_size=128)
+        ref, _ = reference.mla_decode(q, cache, table, seq_lens, scale=0.04, kv_cache_dtype=kv_cache_dtype,
+                                      k_scale=kv.k_scale)
+        return _worst((out, ref, tolerance(dtype, kv_cache_dtype)))
     return case
 
 

@@ -1,4 +1,5 @@
-"""Shared test fixtures: the backend parametrization and the one tolerance table (docs/conventions.md §4)."""
+"""Shared test fixtures: the backend parametrization. The one tolerance table and assert_close live in
+cupaged.testing (docs/conventions.md §4)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from cupaged import sim
+from cupaged import sim, testing
 
-from cupaged.tolerances import TOLERANCES  # noqa: F401  (the one table, shared with selftest)
+assert_close = testing.assert_close  # for the tests that import it from here
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,27 +76,6 @@ def backend(request, monkeypatch) -> Backend:
     if order is not None:
         monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
     return Backend(name, order)
-
-
-def assert_close(got, ref, dtype_or_key, what="output"):
-    """Elementwise |got - ref| <= atol + rtol |ref|; ``dtype_or_key``: a dtype, a key of TOLERANCES or
-    an (atol, rtol) pair. NaN never passes."""
-    if isinstance(dtype_or_key, tuple):
-        atol, rtol = dtype_or_key
-    else:
-        atol, rtol = TOLERANCES[dtype_or_key if isinstance(dtype_or_key, str) else np.dtype(dtype_or_key)]
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    same_inf = np.isinf(ref) & (got == ref)
-    with np.errstate(invalid="ignore"):
-        err = np.where(same_inf, 0.0, np.abs(got - ref))
-    bound = atol + rtol * np.abs(np.where(np.isinf(ref), 0.0, ref))
-    bad = ~(err <= bound)
-    if bad.any():
-        i = np.unravel_index(np.argmax(np.where(bad, err - bound, -np.inf)), bad.shape)
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} elements out of tolerance "
-                             f"(atol={atol}, rtol={rtol}); worst at {i}: got {got[i]}, ref {ref[i]}")
 
 
 def raw_module(backend: Backend, code: str, name_expressions=(), options=("-std=c++17",)):

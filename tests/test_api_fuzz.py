@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 
 import cupaged
 from cupaged import reference, sim
-from cupaged.tolerances import TOLERANCES, tolerance
-from tests.conftest import assert_close
+from cupaged.testing import TOLERANCES, assert_close, tolerance
 from tests.test_mla import UpProjection, latent_pool
 from tests.test_paged_attention import Case, build
 from tests.test_paged_attention_vllm import to_vllm

@@ -8,32 +8,17 @@ import pytest
 
 import cupaged
 from cupaged import reference
-from cupaged.tolerances import tolerance
-from tests.conftest import assert_close
+from cupaged.testing import assert_close, paged_kv, tolerance
 
 RANK, ROPE = 512, 64
 
 
 def latent_pool(rng, seq_lens, block_size, dtype, kv_cache_dtype):
     """A NaN/0xFF-poisoned latent cache with each sequence's rows, its shuffled block table
-    (garbage past the end) and the fp8 scale."""
-    need = [-(-int(s) // block_size) for s in seq_lens]
-    num_blocks = sum(need) + 5
-    rows = np.full((num_blocks, block_size, RANK + ROPE), np.nan, np.float32)
-    table = rng.integers(num_blocks + 100, 2**30, (len(seq_lens), max(need + [1]) + 2)).astype(np.int32)
-    ids = rng.permutation(num_blocks)
-    used = 0
-    for b, (n, s) in enumerate(zip(need, seq_lens)):
-        table[b, :n] = ids[used:used + n]
-        used += n
-        pos = np.arange(s)
-        rows[table[b, pos // block_size], pos % block_size] = rng.standard_normal((s, RANK + ROPE))
-    if kv_cache_dtype == "auto":
-        return rows.astype(dtype), table, 1.0
-    scale = float(np.nanmax(np.abs(rows), initial=1.0)) / 64
-    codes = reference.quantize_fp8(rows, scale, kv_cache_dtype)
-    codes[np.isnan(rows)] = 0xFF
-    return codes, table, scale
+    (garbage past the end) and the fp8 scale (cupaged.testing.paged_kv)."""
+    kv = paged_kv(seq_lens, block_size=block_size, head_size=RANK + ROPE, dtype=dtype, layout="mla",
+                  kv_cache_dtype=kv_cache_dtype, spare_blocks=5, spare_columns=2, rng=rng)
+    return kv.key_cache, kv.block_tables, kv.k_scale
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

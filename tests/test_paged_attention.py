@@ -1,10 +1,11 @@
 """paged_attention against cupaged.reference.paged_attention, on the sim (and cuda with a GPU).
 
-Every case uses a shuffled block table whose entries past each sequence's last block are garbage
-(far outside the pool: a read of one faults on the sim), caches whose every unused slot is
-NaN-poisoned, and for single-query windowed cases the out-of-window positions poisoned too:
-masking is by selection, so any leak shows up as NaN. The default run is a covering set that
-touches every value of the issue's grid at least once; `-m slow` runs the full product.
+Every case builds its caches with cupaged.testing.paged_kv: a shuffled block table whose entries
+past each sequence's last block are garbage (far outside the pool: a read of one faults on the sim),
+caches whose every unused slot is poisoned (NaN, 0xFF in fp8), and for single-query windowed cases
+the out-of-window positions poisoned too: masking is by selection, so any leak shows up as NaN. The
+default run is a covering set that touches every value of the full grid at least once; `-m slow`
+runs the full product.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ import pytest
 
 import cupaged
 from cupaged import reference
-from cupaged.tolerances import tolerance
-from tests.conftest import assert_close
+from cupaged.testing import assert_close, paged_kv, tolerance
 
 F16, BF16, F32 = np.float16, ml_dtypes.bfloat16, np.float32
 SHAPE_MIXED = ((1, 1328), (5, 18), (129, 463))  # (query len, context len): decode + prefill chunks
@@ -58,55 +58,24 @@ class Case:
 
 
 def build(case: Case, seed=0):
-    """Inputs of one case (numpy) and the reference's (out, lse)."""
+    """Inputs of one case (numpy) and the reference's (out, lse). For a single-query window the keys it
+    never reads stay poisoned too."""
     rng = np.random.default_rng(seed)
     num_heads, num_kv_heads = case.heads
-    d, bs = case.head_size, case.block_size
     q_lens = [q for q, _ in case.seqs]
-    seq_lens = np.array([s for _, s in case.seqs], np.int32)
-    num_tokens = sum(q_lens)
-    need = [-(-s // bs) for s in seq_lens]
-    num_blocks = sum(need) + 7
-    width = max(need + [1]) + 3
-    ids = rng.permutation(num_blocks)
-    tables = rng.integers(num_blocks + 1000, 2**30, (len(seq_lens), width)).astype(np.int32)  # garbage past the end
-    # dense data, NaN everywhere no key lives: [num_blocks, block_size, kv_heads, d]
-    k_nhd = np.full((num_blocks, bs, num_kv_heads, d), np.nan, np.float32)
-    v_nhd = np.full_like(k_nhd, np.nan)
-    used = 0
-    for s, (n, seq_len) in enumerate(zip(need, seq_lens)):
-        tables[s, :n] = ids[used:used + n]
-        used += n
-        pos = np.arange(seq_len)
-        if case.window and q_lens[s] == 1:  # single-query window: keys before it are never needed
-            pos = pos[pos > seq_len - 1 - case.window]
-        blocks, offs = tables[s, pos // bs], pos % bs
-        k_nhd[blocks, offs] = rng.standard_normal((len(pos), num_kv_heads, d))
-        v_nhd[blocks, offs] = rng.standard_normal((len(pos), num_kv_heads, d))
-    q = (rng.standard_normal((num_tokens, num_heads, d)) * 0.6).astype(case.dtype)
-    k_scale = v_scale = 1.0
-    if case.kv_cache_dtype == "auto":
-        kc, vc = k_nhd.astype(case.dtype), v_nhd.astype(case.dtype)
-    else:
-        amax = lambda x: np.nanmax(np.abs(x), axis=(0, 1, 3)) if case.per_head_scales else np.nanmax(np.abs(x))  # noqa: E731
-        k_scale = (amax(k_nhd) / 64).astype(np.float32)
-        v_scale = (amax(v_nhd) / 64).astype(np.float32)
-        if not case.per_head_scales:
-            k_scale, v_scale = float(k_scale), float(v_scale)
-        per_head = lambda s: np.asarray(s, np.float32).reshape(-1)[:, None]  # noqa: E731
-        kc = reference.quantize_fp8(k_nhd, per_head(k_scale), case.kv_cache_dtype)
-        vc = reference.quantize_fp8(v_nhd, per_head(v_scale), case.kv_cache_dtype)
-        kc[np.isnan(k_nhd)] = 0xFF  # keep the poison: 0xFF is NaN in e4m3 and e5m2
-        vc[np.isnan(v_nhd)] = 0xFF
-    if case.layout == "HND":
-        kc, vc = np.ascontiguousarray(kc.transpose(0, 2, 1, 3)), np.ascontiguousarray(vc.transpose(0, 2, 1, 3))
+    kv = paged_kv([s for _, s in case.seqs], block_size=case.block_size, head_size=case.head_size,
+                  num_kv_heads=num_kv_heads, dtype=case.dtype, layout=case.layout, kv_cache_dtype=case.kv_cache_dtype,
+                  per_head_scales=case.per_head_scales, spare_blocks=7, spare_columns=3, rng=rng,
+                  poison_before=[s - case.window if case.window and q == 1 else 0 for q, s in case.seqs])
+    q = (rng.standard_normal((sum(q_lens), num_heads, case.head_size)) * 0.6).astype(case.dtype)
     decode = case.decode if case.decode is not None else all(q == 1 for q in q_lens)
     qsl = None if decode else np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     sinks = rng.uniform(-1, 3, num_heads).astype(np.float32) if case.sinks else None
     alibi = (2.0 ** -np.arange(1, num_heads + 1) * 4).astype(np.float32) if case.alibi else None
-    inputs = dict(q=q, key_cache=kc, value_cache=vc, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl)
+    inputs = dict(q=q, key_cache=kv.key_cache, value_cache=kv.value_cache, block_tables=kv.block_tables,
+                  seq_lens=kv.seq_lens, query_start_loc=qsl)
     options = dict(causal=case.causal, sliding_window=case.window, sinks=sinks, alibi_slopes=alibi,
-                   softcap=case.softcap, kv_cache_dtype=case.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+                   softcap=case.softcap, kv_cache_dtype=case.kv_cache_dtype, k_scale=kv.k_scale, v_scale=kv.v_scale,
                    layout=case.layout)
     return inputs, options, reference.paged_attention(**inputs, **options)
 

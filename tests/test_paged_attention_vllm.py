@@ -10,8 +10,7 @@ import pytest
 
 import cupaged
 from cupaged import reference
-from cupaged.tolerances import tolerance
-from tests.conftest import assert_close
+from cupaged.testing import assert_close, tolerance
 from tests.test_paged_attention import SHAPE_DECODE, Case, build
 
 F16, BF16, F32 = np.float16, ml_dtypes.bfloat16, np.float32
