@@ -4,10 +4,17 @@ cupaged.reference, on the sim (and cuda when a GPU is present).
 Caches start poisoned (0xFF bytes: NaN in every float format and in fp8) and results are compared
 bytewise with the reference, which copies the original cache: every untouched slot must come back
 bit-identical, and fp8 bytes must equal the reference's own quantization exactly.
+
+The default run is a covering set (covering_set below): every kernel instantiation (dtype x
+kv-cache dtype x slot dtype x vector / scalar path) once, and every two values of any two axes
+(layout, head size, block size, scale kind, fused views, token count) together at least once; each
+case checks that the instantiation it means to cover is the one launched. `-m slow` runs the full
+product of the grid axes and the 64-bit offset cases (a cache past 2^31 elements, 2 GiB).
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 
@@ -16,25 +23,87 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import reference
+from cupaged import cache_ops, reference
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 FP8 = ["fp8", "fp8_e5m2"]
+KV_CACHE_DTYPES = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+SLOT_DTYPES = [np.int64, np.int32]
 
 
 def dtype_id(d):
     return np.dtype(d).name
 
 
-def kv_data(rng, num_tokens, num_kv_heads, head_size, dtype, *, fused=False):
-    """key/value [num_tokens, num_kv_heads, head_size]; views of one fused QKV buffer when ``fused``."""
-    hd = num_kv_heads * head_size
-    if fused:  # [num_tokens, (q_heads + 2 * kv_heads) * head_size], 2 q heads per kv head
-        qkv = rng.standard_normal((num_tokens, 4 * hd)).astype(dtype)
-        return (qkv[:, 2 * hd:3 * hd].reshape(num_tokens, num_kv_heads, head_size),
-                qkv[:, 3 * hd:].reshape(num_tokens, num_kv_heads, head_size))
-    return (rng.standard_normal((num_tokens, num_kv_heads, head_size)).astype(dtype),
-            rng.standard_normal((num_tokens, num_kv_heads, head_size)).astype(dtype))
+def covering_set(axes: dict, full=(), valid=lambda row: True) -> list[dict]:
+    """Rows (dicts axis -> value) in which every two values of any two axes meet at least once
+    (pairwise), with the axes named in ``full`` in their whole product; ``valid(partial row)`` rules
+    combinations out. Greedy and deterministic: each other axis takes the value that meets the most
+    pairs not met yet (the least used one on a tie)."""
+    names = list(axes)
+    order = {n: i for i, n in enumerate(names)}
+
+    def pair(a, x, b, y):
+        return (a, x, b, y) if order[a] < order[b] else (b, y, a, x)
+
+    todo = {pair(a, x, b, y) for a, b in itertools.combinations(names, 2) for x in axes[a] for y in axes[b]
+            if valid({a: x, b: y})}
+    used = {n: dict.fromkeys(axes[n], 0) for n in names}
+    rows = []
+
+    def complete(row):
+        for n in names:
+            if n not in row:
+                options = [v for v in axes[n] if valid({**row, n: v})]
+                row[n] = max(options, key=lambda v: (sum(pair(a, row[a], n, v) in todo for a in row), -used[n][v]))
+            used[n][row[n]] += 1
+        todo.difference_update(pair(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2))
+        rows.append(row)
+
+    for values in itertools.product(*(axes[n] for n in full)):
+        if valid(dict(zip(full, values))):
+            complete(dict(zip(full, values)))
+    while todo:
+        a, x, b, y = min(todo, key=lambda p: (order[p[0]], order[p[2]], axes[p[0]].index(p[1]), axes[p[2]].index(p[3])))
+        complete({a: x, b: y})
+    return rows
+
+
+def full_product(axes: dict, valid=lambda row: True) -> list[dict]:
+    rows = [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+    return [r for r in rows if valid(r)]
+
+
+def case_id(case: dict) -> str:
+    def text(k, v):
+        if k == "vec":
+            return "vec" if v else "scalar"
+        if k == "fused":
+            return "fused" if v else "plain"
+        if isinstance(v, type):
+            return dtype_id(v)
+        return f"{k[0]}{v}" if isinstance(v, int) else str(v)
+
+    return "-".join(text(k, v) for k, v in case.items())
+
+
+def kv_data(rng, num_tokens, num_kv_heads, head_size, dtype):
+    """key/value [num_tokens, num_kv_heads, head_size], each contiguous."""
+    shape = (num_tokens, num_kv_heads, head_size)
+    return rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
+
+
+def kv_views(backend, rng, num_tokens, num_kv_heads, head_size, dtype, *, fused=False, aligned=True):
+    """key/value [num_tokens, num_kv_heads, head_size] on the backend: two arrays, or with ``fused``
+    the K and V slices of one QKV buffer [num_tokens, (2 q + 2 kv heads) * head_size]; not
+    ``aligned``: views starting one element into their buffer (no 16-byte access is possible)."""
+    hd, skew = num_kv_heads * head_size, 0 if aligned else 1
+    if not fused and aligned:
+        return tuple(backend.asarray(a) for a in kv_data(rng, num_tokens, num_kv_heads, head_size, dtype))
+    first = 2 * hd if fused else 0
+    buf = backend.asarray(rng.standard_normal((num_tokens, first + 2 * hd + skew)).astype(dtype))
+    return (buf[:, first + skew:first + skew + hd].reshape(num_tokens, num_kv_heads, head_size),
+            buf[:, first + skew + hd:first + skew + 2 * hd].reshape(num_tokens, num_kv_heads, head_size))
 
 
 def poisoned(shape, dtype):
@@ -85,22 +154,50 @@ def check_dequantized(cache_bytes, scale, kv_cache_dtype, reference_values, what
     assert not bad.any(), f"{what}: {int(bad.sum())} dequantized values off by more than half an fp8 ulp"
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The template arguments of every cache-op kernel launched in the test, in order."""
+    args = []
+    function = cache_ops.FAMILY.function
+
+    def record(name, xp):
+        args.append(name[name.index("<") + 1:-1].split(", "))
+        return function(name, xp)
+
+    monkeypatch.setattr(cache_ops.FAMILY, "function", record)
+    return args
+
+
+def slot_type(slot_dtype) -> str:
+    return "int" if np.dtype(slot_dtype) == np.int32 else "long long"
+
+
 # ---------------------------------------------------------------- reshape_and_cache_flash
-def flash_case(backend, rng, *, num_tokens, num_kv_heads, head_size, block_size, dtype, layout,
-               kv_cache_dtype="auto", scale_kind="float", fused=False, negative_every=7, slot_dtype=np.int64):
-    key, value = kv_data(rng, num_tokens, num_kv_heads, head_size, dtype, fused=fused)
+FLASH_GRID = dict(dtype=DTYPES, kv_cache_dtype=KV_CACHE_DTYPES, slot_dtype=SLOT_DTYPES, vec=[True, False],
+                  layout=["NHD", "HND"], head_size=[64, 80, 120, 128, 256], block_size=[1, 5, 16, 32])
+FLASH_VARIANTS = dict(scale_kind=["float", "array", "per_head"], fused=[False, True], num_tokens=[97, 42, 1])
+FLASH_COVERING = covering_set({**FLASH_GRID, **FLASH_VARIANTS}, full=("dtype", "kv_cache_dtype", "slot_dtype", "vec"))
+
+
+def flash_case(backend, launched, *, dtype, kv_cache_dtype, slot_dtype, vec, layout, head_size, block_size,
+               scale_kind="float", fused=False, num_tokens=97, num_kv_heads=4):
+    """One reshape_and_cache_flash call; ``vec``: the 16-byte path (aligned key/value), else views
+    one element off alignment take the scalar one."""
+    rng = np.random.default_rng(head_size * 100 + block_size * 3 + num_tokens)
+    key, value = kv_views(backend, rng, num_tokens, num_kv_heads, head_size, dtype, fused=fused, aligned=vec)
+    host_key, host_value = backend.to_numpy(key), backend.to_numpy(value)
     num_blocks = max(4, -(-2 * num_tokens // block_size))
     shape = (num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD" else \
         (num_blocks, num_kv_heads, block_size, head_size)
     cache = poisoned(shape, dtype if kv_cache_dtype == "auto" else np.uint8)
-    slots = random_slots(rng, num_tokens, num_blocks, block_size, negative_every).astype(slot_dtype)
-    k_scale = fp8_scale(key, per_head=scale_kind == "per_head", kind=scale_kind)
-    v_scale = fp8_scale(value, per_head=scale_kind == "per_head", kind=scale_kind)
+    slots = random_slots(rng, num_tokens, num_blocks, block_size, 7 if num_tokens > 1 else 0).astype(slot_dtype)
+    k_scale = fp8_scale(host_key, per_head=scale_kind == "per_head", kind=scale_kind)
+    v_scale = fp8_scale(host_value, per_head=scale_kind == "per_head", kind=scale_kind)
     key_cache, value_cache = backend.asarray(cache), backend.asarray(cache)
-    args = on_backend(backend, key, value)
-    cupaged.reshape_and_cache_flash(*args, key_cache, value_cache, backend.asarray(slots), kv_cache_dtype,
+    cupaged.reshape_and_cache_flash(key, value, key_cache, value_cache, backend.asarray(slots), kv_cache_dtype,
                                     k_scale, v_scale, layout=layout)
-    ref_k, ref_v = reference.reshape_and_cache_flash(key, value, cache, cache, slots, kv_cache_dtype,
+    assert launched[-1][2:] == [slot_type(slot_dtype), str(16 // np.dtype(dtype).itemsize if vec else 1)]
+    ref_k, ref_v = reference.reshape_and_cache_flash(host_key, host_value, cache, cache, slots, kv_cache_dtype,
                                                      k_scale, v_scale, layout=layout)
     got_k, got_v = backend.to_numpy(key_cache), backend.to_numpy(value_cache)
     assert_bytes_equal(got_k, ref_k, "key_cache")
@@ -110,61 +207,31 @@ def flash_case(backend, rng, *, num_tokens, num_kv_heads, head_size, block_size,
         blocks, offsets = np.divmod(slots[keep].astype(np.int64), block_size)
         stored = got_k[blocks, offsets] if layout == "NHD" else got_k[blocks, :, offsets]
         scale = np.asarray(k_scale, np.float32).reshape(-1)
-        check_dequantized(stored, scale[None, :, None] if scale.size > 1 else scale, kv_cache_dtype, key[keep], "key")
+        check_dequantized(stored, scale[None, :, None] if scale.size > 1 else scale, kv_cache_dtype,
+                          host_key[keep], "key")
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("case", FLASH_COVERING, ids=list(map(case_id, FLASH_COVERING)))
+def test_flash_covering_set(backend, launched, case):
+    flash_case(backend, launched, **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", full_product(FLASH_GRID), ids=case_id)
+def test_flash_full_grid(backend, launched, case):
+    flash_case(backend, launched, **case)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("head_size", [64, 80, 128, 256])
-@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
-def test_flash_97_tokens(backend, layout, dtype, head_size, block_size):
-    flash_case(backend, np.random.default_rng(head_size * 100 + block_size), num_tokens=97, num_kv_heads=4,
-               head_size=head_size, block_size=block_size, dtype=dtype, layout=layout)
-
-
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("kv_cache_dtype", FP8 + ["fp8_e4m3"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("head_size", [64, 80, 120, 256])
-@pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_flash_fp8(backend, layout, kv_cache_dtype, dtype, head_size, block_size):
-    flash_case(backend, np.random.default_rng(head_size + block_size), num_tokens=42, num_kv_heads=8,
-               head_size=head_size, block_size=block_size, dtype=dtype, layout=layout, kv_cache_dtype=kv_cache_dtype)
-
-
-@pytest.mark.parametrize("scale_kind", ["array", "per_head"])
-@pytest.mark.parametrize("kv_cache_dtype", FP8)
-def test_flash_fp8_scale_arrays(backend, scale_kind, kv_cache_dtype):
-    flash_case(backend, np.random.default_rng(11), num_tokens=42, num_kv_heads=8, head_size=128, block_size=16,
-               dtype=np.float16, layout="NHD", kv_cache_dtype=kv_cache_dtype, scale_kind=scale_kind)
-
-
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_flash_single_token(backend, layout, dtype):
-    flash_case(backend, np.random.default_rng(1), num_tokens=1, num_kv_heads=4, head_size=64, block_size=16,
-               dtype=dtype, layout=layout, negative_every=0)
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_flash_fused_qkv_views_and_int32_slots(backend, kv_cache_dtype, slot_dtype, layout):
-    flash_case(backend, np.random.default_rng(2), num_tokens=42, num_kv_heads=4, head_size=128, block_size=16,
-               dtype=np.float16, layout=layout, kv_cache_dtype=kv_cache_dtype, fused=True, negative_every=5,
-               slot_dtype=slot_dtype)
-
-
-def test_flash_unaligned_views_take_the_scalar_path(backend):
-    """A view starting 2 bytes into its buffer cannot use 16-byte accesses; results must not change."""
-    rng = np.random.default_rng(3)
-    buf = rng.standard_normal((33, 2 * 4 * 64 + 1)).astype(np.float16)
-    key = buf[:, 1:1 + 4 * 64].reshape(33, 4, 64)
-    value = buf[:, 1 + 4 * 64:].reshape(33, 4, 64)
-    cache = poisoned((9, 8, 4, 64), np.float16)
-    slots = random_slots(rng, 33, 9, 8)
+def test_flash_head_size_off_the_vector_width_takes_the_scalar_path(backend, launched, dtype):
+    """head_size 66 is no multiple of any vector width (4 floats, 8 halves): aligned data, scalar kernel."""
+    rng = np.random.default_rng(4)
+    key, value = kv_data(rng, 19, 3, 66, dtype)
+    cache = poisoned((6, 8, 3, 66), dtype)
+    slots = random_slots(rng, 19, 6, 8, negative_every=4)
     kc, vc = backend.asarray(cache), backend.asarray(cache)
     cupaged.reshape_and_cache_flash(*on_backend(backend, key, value), kc, vc, backend.asarray(slots))
+    assert launched[-1][3] == "1"
     ref_k, ref_v = reference.reshape_and_cache_flash(key, value, cache, cache, slots)
     assert_bytes_equal(backend.to_numpy(kc), ref_k, "key_cache")
     assert_bytes_equal(backend.to_numpy(vc), ref_v, "value_cache")
@@ -183,6 +250,37 @@ def test_flash_caches_as_views_of_one_buffer(backend):
     got = backend.to_numpy(combined)
     assert_bytes_equal(np.ascontiguousarray(got[:, 0]), ref_k, "key half")
     assert_bytes_equal(np.ascontiguousarray(got[:, 1]), ref_v, "value half")
+
+
+@pytest.mark.slow
+def test_flash_64bit_offsets(backend, launched):
+    """A cache past 2^31 elements (2 GiB of fp8: the K and V halves of one [num_blocks, 2, ...]
+    buffer). Tokens written into blocks whose offset block_id * block stride passes 2^31 land where
+    the reference puts them, with int64 and int32 slots, and the blocks around them stay untouched
+    (32-bit offset arithmetic would wrap to a block near the start, or fault)."""
+    block_size, num_kv_heads, head_size = 16, 2, 64
+    block_stride = 2 * block_size * num_kv_heads * head_size  # elements of one block, K and V halves
+    num_blocks = 2**31 // block_stride + 3
+    targets = np.array([1, 2**31 // block_stride + 1, num_blocks - 3, num_blocks - 1])
+    assert targets[1] * block_stride > 2**31
+    combined = backend.empty((num_blocks, 2, block_size, num_kv_heads, head_size), np.uint8)
+    watched = np.unique(np.concatenate([targets - 1, targets, np.minimum(targets + 1, num_blocks - 1)]))
+    combined[backend.asarray(watched)] = 0xFF  # cuda's empty holds garbage: poison the blocks compared below
+    before = backend.to_numpy(combined[backend.asarray(watched)])
+    rng = np.random.default_rng(8)
+    offsets = np.stack([rng.choice(block_size, 4, replace=False) for _ in targets])
+    slots = rng.permutation((targets[:, None] * block_size + offsets).reshape(-1))
+    slots = np.insert(slots, [3, 11], -1)  # padding tokens, skipped
+    key, value = kv_data(rng, len(slots), num_kv_heads, head_size, np.float16)
+    for part, slot_dtype in ((slice(0, 9), np.int64), (slice(9, None), np.int32)):
+        cupaged.reshape_and_cache_flash(*on_backend(backend, key[part], value[part]), combined[:, 0], combined[:, 1],
+                                        backend.asarray(slots[part].astype(slot_dtype)), "fp8", 0.05, 0.05)
+        assert launched[-1][2] == slot_type(slot_dtype)
+    local = np.where(slots < 0, -1, np.searchsorted(watched, slots // block_size) * block_size + slots % block_size)
+    ref_k, ref_v = reference.reshape_and_cache_flash(key, value, before[:, 0], before[:, 1], local, "fp8", 0.05, 0.05)
+    got = backend.to_numpy(combined[backend.asarray(watched)])
+    assert_bytes_equal(got[:, 0], ref_k, "key half of the watched blocks")
+    assert_bytes_equal(got[:, 1], ref_v, "value half of the watched blocks")
 
 
 def test_fp8_saturates_and_keeps_nan(backend):
@@ -209,29 +307,45 @@ def vllm_caches(num_blocks, num_kv_heads, head_size, block_size, cache_dtype):
             poisoned((num_blocks, num_kv_heads, head_size, block_size), cache_dtype))
 
 
-VLLM_GRID = [(kv, dt, hs, bs) for kv in ["auto"] + FP8 for dt in DTYPES for hs in (64, 80, 120, 256)
-             for bs in (8, 16, 32) if kv == "auto" or hs % 16 == 0]  # fp8 with head 120: see below
+def vllm_valid(row):
+    """fp8 packs x = 16 elements: head_size 120 is rejected (test_vllm_layout_rejects_head_120_fp8)."""
+    return row.get("kv_cache_dtype", "auto") == "auto" or row.get("head_size", 64) % 16 == 0
 
 
-@pytest.mark.parametrize("kv_cache_dtype, dtype, head_size, block_size", VLLM_GRID,
-                         ids=[f"{kv}-{dtype_id(dt)}-h{hs}-bs{bs}" for kv, dt, hs, bs in VLLM_GRID])
-def test_vllm_layout(backend, kv_cache_dtype, dtype, head_size, block_size):
+VLLM_GRID = dict(dtype=DTYPES, kv_cache_dtype=["auto"] + FP8, slot_dtype=SLOT_DTYPES, vec=[True, False],
+                 head_size=[64, 80, 120, 256], block_size=[8, 16, 32])
+VLLM_VARIANTS = dict(per_head_scales=[False, True], fused=[False, True])
+VLLM_COVERING = covering_set({**VLLM_GRID, **VLLM_VARIANTS}, full=("dtype", "kv_cache_dtype", "slot_dtype", "vec"),
+                             valid=vllm_valid)
+
+
+def vllm_case(backend, launched, *, dtype, kv_cache_dtype, slot_dtype, vec, head_size, block_size,
+              per_head_scales=False, fused=False, num_kv_heads=8, num_tokens=42):
     rng = np.random.default_rng(head_size * 7 + block_size)
-    key, value = kv_data(rng, 42, 8, head_size, dtype, fused=block_size == 16)
-    num_blocks = -(-84 // block_size)
-    cache_dtype = dtype if kv_cache_dtype == "auto" else np.uint8
-    kc0, vc0 = vllm_caches(num_blocks, 8, head_size, block_size, cache_dtype)
-    slots = random_slots(rng, 42, num_blocks, block_size, negative_every=6)
-    k_scale = fp8_scale(key)
-    v_scale = fp8_scale(value, per_head=True) if block_size == 32 else fp8_scale(value)
+    key, value = kv_views(backend, rng, num_tokens, num_kv_heads, head_size, dtype, fused=fused, aligned=vec)
+    host_key, host_value = backend.to_numpy(key), backend.to_numpy(value)
+    num_blocks = -(-2 * num_tokens // block_size)
+    kc0, vc0 = vllm_caches(num_blocks, num_kv_heads, head_size, block_size,
+                           dtype if kv_cache_dtype == "auto" else np.uint8)
+    slots = random_slots(rng, num_tokens, num_blocks, block_size, negative_every=6).astype(slot_dtype)
+    k_scale, v_scale = fp8_scale(host_key, per_head_scales), fp8_scale(host_value, per_head_scales)
     kc, vc = backend.asarray(kc0), backend.asarray(vc0)
-    if block_size == 32:  # per-head scales must come in pairs
-        k_scale = np.full(8, k_scale, np.float32)
-    cupaged.reshape_and_cache(*on_backend(backend, key, value), kc, vc, backend.asarray(slots), kv_cache_dtype,
-                              k_scale, v_scale)
-    ref_k, ref_v = reference.reshape_and_cache(key, value, kc0, vc0, slots, kv_cache_dtype, k_scale, v_scale)
+    cupaged.reshape_and_cache(key, value, kc, vc, backend.asarray(slots), kv_cache_dtype, k_scale, v_scale)
+    assert launched[-1][2:] == [slot_type(slot_dtype), "true" if vec else "false"]
+    ref_k, ref_v = reference.reshape_and_cache(host_key, host_value, kc0, vc0, slots, kv_cache_dtype, k_scale, v_scale)
     assert_bytes_equal(backend.to_numpy(kc), ref_k, "key_cache")
     assert_bytes_equal(backend.to_numpy(vc), ref_v, "value_cache")
+
+
+@pytest.mark.parametrize("case", VLLM_COVERING, ids=list(map(case_id, VLLM_COVERING)))
+def test_vllm_layout_covering_set(backend, launched, case):
+    vllm_case(backend, launched, **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", full_product(VLLM_GRID, vllm_valid), ids=case_id)
+def test_vllm_layout_full_grid(backend, launched, case):
+    vllm_case(backend, launched, **case)
 
 
 def test_vllm_layout_rejects_head_120_fp8(backend):
@@ -245,20 +359,35 @@ def test_vllm_layout_rejects_head_120_fp8(backend):
 
 
 # ---------------------------------------------------------------- concat_and_cache_mla
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_concat_and_cache_mla(backend, kv_cache_dtype, dtype):
+MLA_GRID = dict(dtype=DTYPES, kv_cache_dtype=["auto"] + FP8, slot_dtype=SLOT_DTYPES, block_size=[1, 5, 16])
+MLA_COVERING = covering_set(MLA_GRID, full=("dtype", "kv_cache_dtype", "slot_dtype"))
+
+
+def mla_case(backend, launched, *, dtype, kv_cache_dtype, slot_dtype, block_size):
     rng = np.random.default_rng(9)
-    num_tokens, rank, rope, block_size, num_blocks = 37, 512, 64, 16, 8
+    num_tokens, rank, rope = 37, 512, 64
+    num_blocks = -(-2 * num_tokens // block_size)
     kv_c = rng.standard_normal((num_tokens, rank + 32)).astype(dtype)[:, :rank]  # strided view
     k_pe = rng.standard_normal((num_tokens, rope)).astype(dtype)
     cache0 = poisoned((num_blocks, block_size, rank + rope), dtype if kv_cache_dtype == "auto" else np.uint8)
-    slots = random_slots(rng, num_tokens, num_blocks, block_size, negative_every=4)
+    slots = random_slots(rng, num_tokens, num_blocks, block_size, negative_every=4).astype(slot_dtype)
     scale = fp8_scale(np.concatenate([kv_c, k_pe], axis=1), kind="array")
     cache = backend.asarray(cache0)
     cupaged.concat_and_cache_mla(*on_backend(backend, kv_c, k_pe), cache, backend.asarray(slots), kv_cache_dtype, scale)
+    assert launched[-1][2] == slot_type(slot_dtype)
     ref = reference.concat_and_cache_mla(kv_c, k_pe, cache0, slots, kv_cache_dtype, scale)
     assert_bytes_equal(backend.to_numpy(cache), ref, "kv_cache")
+
+
+@pytest.mark.parametrize("case", MLA_COVERING, ids=list(map(case_id, MLA_COVERING)))
+def test_concat_and_cache_mla_covering_set(backend, launched, case):
+    mla_case(backend, launched, **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", full_product(MLA_GRID), ids=case_id)
+def test_concat_and_cache_mla_full_grid(backend, launched, case):
+    mla_case(backend, launched, **case)
 
 
 # ---------------------------------------------------------------- validation: clear error, nothing written
