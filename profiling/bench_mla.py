@@ -25,7 +25,7 @@ import _bench  # noqa: E402
 import _model  # noqa: E402
 
 import cupaged  # noqa: E402
-from cupaged import sim  # noqa: E402
+from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
 from cupaged.paged_attention import ROWS, choose_split  # noqa: E402
 
@@ -47,22 +47,23 @@ def cost(s, block=BLOCK):
                           block_size=block, causal=True, shared_kv=True, query_start_loc=False)
 
 
-def decode(xp, alloc, s, block=BLOCK, kv_split_size=None):
+def decode(device, s, block=BLOCK, kv_split_size=None):
+    """A launch of shape ``s`` on ``device`` ("sim" or "cuda"): the latent cache from cupaged.testing.paged_kv
+    (shuffled blocks, a last block's unused slots poisoned; fp8 at scale 0.1)."""
     rng = np.random.default_rng(0)
     dtype, kv_cache_dtype = DTYPES[s["kv_dtype"]]
     num_seqs, context, heads = s["batch"], s["context"], s["num_heads"]
-    blocks_per_seq = -(-context // block)
-    cache_dtype = dtype if kv_cache_dtype == "auto" else np.uint8
-    cache = alloc((num_seqs * blocks_per_seq, block, RANK + ROPE), cache_dtype)
-    cache[...] = xp.asarray(rng.integers(0, 100, cache.shape).astype(np.uint8) if cache_dtype == np.uint8
-                            else (rng.standard_normal(cache.shape, np.float32) * 0.1).astype(dtype))
-    tables = xp.asarray(rng.permutation(num_seqs * blocks_per_seq).astype(np.int32).reshape(num_seqs, -1))
-    lens = xp.asarray(np.full(num_seqs, context, np.int32))
+    kv = paged_kv(np.full(num_seqs, context), block_size=block, head_size=RANK + ROPE, dtype=dtype, layout="mla",
+                  kv_cache_dtype=kv_cache_dtype, kv_scale=0.1, rng=rng, device=device)
+    if device == "sim":
+        xp = np
+    else:
+        import cupy as xp
     q = xp.asarray(rng.standard_normal((num_seqs, heads, RANK + ROPE), np.float32).astype(dtype))
 
     def run():
-        cupaged.mla_decode(q, cache, tables, lens, scale=0.04, kv_cache_dtype=kv_cache_dtype, k_scale=0.01,
-                           max_seq_len=context, kv_split_size=kv_split_size)
+        cupaged.mla_decode(q, kv.key_cache, kv.block_tables, kv.seq_lens, scale=0.04, kv_cache_dtype=kv_cache_dtype,
+                           k_scale=kv.k_scale, max_seq_len=context, kv_split_size=kv_split_size)
 
     return run
 
@@ -71,7 +72,7 @@ def project(s, subset):
     """The full batch's plan (its split) on ``subset`` sequences, every CTA profiled: the head tiles of
     one split share their latent rows in L2, so sampling among them would over-count distinct bytes."""
     split = choose_split(np, s["batch"] * -(-s["num_heads"] // ROWS), s["context"]) or s["context"]
-    run = decode(np, sim.empty, dict(s, batch=subset), kv_split_size=split)
+    run = decode("sim", dict(s, batch=subset), kv_split_size=split)
     return _model.project(s, run, cost(s), s["batch"] // subset)
 
 
@@ -100,13 +101,13 @@ def main(argv=None):
     table, rows = [], []
     if cp is None:
         for s in SIM:
-            run = decode(np, sim.empty, s, block=16)
+            run = decode("sim", s, block=16)
             table.append(_bench.summarize(_model.label(s), "v1", _bench.time_cpu(run), cost(s, 16).min_bytes, None))
         _bench.print_table(table, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
         return
     device, peak = _bench.peak_bandwidth_gbps(cp)
     for s in GPU:
-        run, c = decode(cp, cp.empty, s), cost(s)
+        run, c = decode("cuda", s), cost(s)
         with _bench.nvtx_range(_model.label(s)):
             ms = _bench.time_gpu(cp, run)
         r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device)

@@ -28,7 +28,7 @@ import _bench  # noqa: E402
 import _model  # noqa: E402
 
 import cupaged  # noqa: E402
-from cupaged import sim  # noqa: E402
+from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
 from cupaged.paged_attention import ROWS, choose_split  # noqa: E402
 
@@ -53,25 +53,25 @@ def cost(s: dict):
                           q_itemsize=itemsize, out_itemsize=itemsize, block_size=BLOCK, causal=s["causal"])
 
 
-def setup(xp, alloc, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, head=HEAD, block=BLOCK,
+def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, head=HEAD, block=BLOCK,
           kv_split_size=None):
+    """A launch of ``num_seqs`` sequences of ``context`` tokens on ``device`` ("sim" or "cuda"): caches from
+    cupaged.testing.paged_kv (shuffled blocks, a last block's unused slots poisoned; fp8 at scale 0.1)."""
     rng = np.random.default_rng(0)
     dtype, kv_cache_dtype = DTYPES[kv_dtype]
-    blocks_per_seq = -(-context // block)
-    num_blocks = num_seqs * blocks_per_seq
-    cache_dtype = dtype if kv_cache_dtype == "auto" else np.uint8
-    kc, vc = alloc((num_blocks, block, kv_heads, head), cache_dtype), alloc((num_blocks, block, kv_heads, head), cache_dtype)
-    for c in (kc, vc):  # fp8 codes 0..99 are small positive e4m3 values
-        c[...] = xp.asarray(rng.integers(0, 100, c.shape).astype(np.uint8) if cache_dtype == np.uint8
-                            else (rng.standard_normal(c.shape, np.float32) * 0.1).astype(dtype))
-    tables = xp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(num_seqs, blocks_per_seq))
-    seq_lens = xp.asarray(np.full(num_seqs, context, np.int32))
+    kv = paged_kv(np.full(num_seqs, context), block_size=block, head_size=head, num_kv_heads=kv_heads, dtype=dtype,
+                  kv_cache_dtype=kv_cache_dtype, kv_scale=0.1, rng=rng, device=device)
+    if device == "sim":
+        xp = np
+    else:
+        import cupy as xp
     q = xp.asarray(rng.standard_normal((num_seqs * q_len, kv_heads * gqa, head), np.float32).astype(dtype))
     qsl = None if q_len == 1 else xp.asarray((np.arange(num_seqs + 1) * q_len).astype(np.int32))
 
     def run():
-        cupaged.paged_attention(q, kc, vc, tables, seq_lens, qsl, kv_cache_dtype=kv_cache_dtype, k_scale=0.01,
-                                v_scale=0.01, max_query_len=q_len, max_seq_len=context, kv_split_size=kv_split_size)
+        cupaged.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                kv_cache_dtype=kv_cache_dtype, k_scale=kv.k_scale, v_scale=kv.v_scale,
+                                max_query_len=q_len, max_seq_len=context, kv_split_size=kv_split_size)
 
     return run
 
@@ -81,8 +81,8 @@ def project(s: dict, subset: int, block_stride) -> dict:
     gqa = s["num_heads"] // s["num_kv_heads"]
     tiles = -(-s["q_len"] * gqa // ROWS)
     split = choose_split(np, s["batch"] * s["num_kv_heads"] * tiles, s["context"]) or s["context"]
-    run = setup(np, sim.empty, subset, s["context"], s["q_len"], gqa, s["kv_dtype"], s["num_kv_heads"],
-                s["head_size"], kv_split_size=split)
+    run = setup("sim", subset, s["context"], s["q_len"], gqa, s["kv_dtype"], s["num_kv_heads"], s["head_size"],
+                kv_split_size=split)
     return _model.project(s, run, cost(s), s["batch"] // subset, block_stride)
 
 
@@ -131,8 +131,7 @@ def measured_rows(cp, quick):
         c = cost(s)
         if c.min_bytes > 0.4 * free:
             continue
-        run = setup(cp, cp.empty, s["batch"], s["context"], s["q_len"], s["num_heads"] // s["num_kv_heads"],
-                    s["kv_dtype"])
+        run = setup("cuda", s["batch"], s["context"], s["q_len"], s["num_heads"] // s["num_kv_heads"], s["kv_dtype"])
         label = _model.label(s)
         with _bench.nvtx_range(label):
             ms = _bench.time_gpu(cp, run)
@@ -170,8 +169,8 @@ def main(argv=None):
         table = []
         for s in (shape("decode", 4, 300, 1, 8, 2, 64, "fp16"), shape("decode", 4, 300, 1, 8, 2, 64, "fp8"),
                   shape("prefill", 1, 64, 32, 4, 2, 64, "fp16")):
-            run = setup(np, sim.empty, s["batch"], s["context"], s["q_len"], 4 if s["q_len"] == 1 else 2,
-                        s["kv_dtype"], kv_heads=2, head=64)
+            run = setup("sim", s["batch"], s["context"], s["q_len"], 4 if s["q_len"] == 1 else 2, s["kv_dtype"],
+                        kv_heads=2, head=64)
             with _bench.nvtx_range(_model.label(s)):
                 table.append(_bench.summarize(_model.label(s), "v1", _bench.time_cpu(run), cost(s).min_bytes, None))
         _bench.print_table(table, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
