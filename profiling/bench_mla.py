@@ -60,10 +60,11 @@ def decode(device, s, block=BLOCK, kv_split_size=None):
     else:
         import cupy as xp
     q = xp.asarray(rng.standard_normal((num_seqs, heads, RANK + ROPE), np.float32).astype(dtype))
+    args, k_scale = (q, kv.key_cache, kv.block_tables, kv.seq_lens), kv.k_scale  # not kv: its host copy goes
 
     def run():
-        cupaged.mla_decode(q, kv.key_cache, kv.block_tables, kv.seq_lens, scale=0.04, kv_cache_dtype=kv_cache_dtype,
-                           k_scale=kv.k_scale, max_seq_len=context, kv_split_size=kv_split_size)
+        cupaged.mla_decode(*args, scale=0.04, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, max_seq_len=context,
+                           kv_split_size=kv_split_size)
 
     return run
 

@@ -67,11 +67,12 @@ def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, he
         import cupy as xp
     q = xp.asarray(rng.standard_normal((num_seqs * q_len, kv_heads * gqa, head), np.float32).astype(dtype))
     qsl = None if q_len == 1 else xp.asarray((np.arange(num_seqs + 1) * q_len).astype(np.int32))
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)  # not kv: its host copy goes
+    scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
 
     def run():
-        cupaged.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
-                                kv_cache_dtype=kv_cache_dtype, k_scale=kv.k_scale, v_scale=kv.v_scale,
-                                max_query_len=q_len, max_seq_len=context, kv_split_size=kv_split_size)
+        cupaged.paged_attention(*args, kv_cache_dtype=kv_cache_dtype, **scales, max_query_len=q_len,
+                                max_seq_len=context, kv_split_size=kv_split_size)
 
     return run
 
