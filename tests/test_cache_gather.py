@@ -1,5 +1,9 @@
 """Cache reads and block moves (gather_and_maybe_dequant_cache, cp_gather_cache, copy_blocks,
-swap_blocks) against cupaged.reference, on the sim (and cuda when a GPU is present)."""
+swap_blocks) against cupaged.reference, on the sim (and cuda when a GPU is present).
+
+The default run is a covering set (tests/test_cache_ops.py's covering_set): every gather kernel
+instantiation (dtype x kv-cache dtype) and word size once, every two values of any two axes
+together; `-m slow` runs the full product and the 64-bit offset case (a 2 GiB cache)."""
 
 from __future__ import annotations
 
@@ -8,11 +12,17 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import reference
-from tests.test_cache_ops import assert_bytes_equal, dtype_id, fp8_scale, poisoned
+from cupaged import cache_gather, reference
+from tests.test_cache_ops import (assert_bytes_equal, case_id, covering_set, fp8_scale, full_product, poisoned,
+                                  record_launches)
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 RANK, ROPE = 512, 64
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    return record_launches(monkeypatch, cache_gather.FAMILY)
 
 
 def mla_pool(rng, num_blocks, block_size, dtype, kv_cache_dtype):
@@ -40,14 +50,16 @@ def sequences(rng, seq_lens, num_blocks, block_size, starts=None):
     return table, cu
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("with_starts", [False, True], ids=["no_seq_starts", "seq_starts"])
-def test_gather_and_maybe_dequant_cache(backend, kv_cache_dtype, dtype, with_starts):
-    rng = np.random.default_rng(3)
-    block_size, num_blocks = 16, 64
+GATHER_GRID = dict(dtype=DTYPES, kv_cache_dtype=["auto", "fp8", "fp8_e5m2"], seq_starts=[False, True],
+                   block_size=[1, 5, 16, 32])
+GATHER_COVERING = covering_set(GATHER_GRID, full=("dtype", "kv_cache_dtype"))
+
+
+def gather_case(backend, launched, *, dtype, kv_cache_dtype, seq_starts, block_size):
+    rng = np.random.default_rng(3 + block_size)
     seq_lens = [5, 0, 33, 16, 1, 47]  # an empty sequence, block_size, block_size + 1
-    starts = rng.integers(0, 40, len(seq_lens)).astype(np.int32) if with_starts else None
+    starts = rng.integers(0, 40, len(seq_lens)).astype(np.int32) if seq_starts else None
+    num_blocks = sum(-(-(n + 40) // block_size) for n in seq_lens)
     table, cu = sequences(rng, seq_lens, num_blocks, block_size, starts)
     cache, scale = mla_pool(rng, num_blocks, block_size, dtype, kv_cache_dtype)
     num_tokens = int(cu[-1])
@@ -58,10 +70,22 @@ def test_gather_and_maybe_dequant_cache(backend, kv_cache_dtype, dtype, with_sta
     args = [backend.asarray(a) for a in (cache,)] + [dst] + [backend.asarray(a) for a in (table, cu, token_to_seq)]
     cupaged.gather_and_maybe_dequant_cache(*args, num_tokens + 3, kv_cache_dtype, scale,
                                            None if starts is None else backend.asarray(starts), validate=True)
+    assert launched[-1][1] == str({"auto": 0, "fp8": 1, "fp8_e5m2": 2}[kv_cache_dtype])
     ref = reference.gather_and_maybe_dequant_cache(cache, dst0, table, cu, token_to_seq, num_tokens + 3,
                                                    kv_cache_dtype, scale, starts)
     assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
     assert np.isnan(backend.to_numpy(dst)[num_tokens:].astype(np.float32)).all(), "padding rows were written"
+
+
+@pytest.mark.parametrize("case", GATHER_COVERING, ids=list(map(case_id, GATHER_COVERING)))
+def test_gather_and_maybe_dequant_cache_covering_set(backend, launched, case):
+    gather_case(backend, launched, **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", full_product(GATHER_GRID), ids=case_id)
+def test_gather_and_maybe_dequant_cache_full_grid(backend, launched, case):
+    gather_case(backend, launched, **case)
 
 
 @pytest.mark.parametrize("validate", [False, True], ids=["default", "validate"])
@@ -128,21 +152,68 @@ def test_gather_bad_input(backend, change, exc, name):
     assert_bytes_equal(backend.to_numpy(a["dst"]), dst0, "dst")
 
 
-@pytest.mark.parametrize("entry", [(RANK + ROPE,), (4, 64), (3,)], ids=["mla576", "heads4x64", "odd3"])
-@pytest.mark.parametrize("with_starts", [False, True], ids=["no_seq_starts", "seq_starts"])
-def test_cp_gather_cache(backend, entry, with_starts):
+ENTRIES = {"mla576": (RANK + ROPE,), "heads4x64": (4, 64), "odd3": (3,)}  # 16-byte words, 16-byte words, bytes
+CP_GATHER_GRID = dict(entry=list(ENTRIES), seq_starts=[False, True], block_size=[5, 16])
+CP_GATHER_COVERING = covering_set(CP_GATHER_GRID, full=("entry",))
+
+
+def cp_gather_case(backend, launched, *, entry, seq_starts, block_size):
     rng = np.random.default_rng(6)
-    block_size, num_blocks = 16, 48
     seq_lens = [17, 0, 64, 3, 40]
-    starts = rng.integers(0, 20, len(seq_lens)).astype(np.int32) if with_starts else None
+    starts = rng.integers(0, 20, len(seq_lens)).astype(np.int32) if seq_starts else None
+    num_blocks = sum(-(-(n + 20) // block_size) for n in seq_lens)
     table, cu = sequences(rng, seq_lens, num_blocks, block_size, starts)
-    cache = rng.standard_normal((num_blocks, block_size, *entry)).astype(np.float16)
-    dst0 = np.full((int(cu[-1]) + 2, *entry), np.nan, np.float16)
+    cache = rng.standard_normal((num_blocks, block_size, *ENTRIES[entry])).astype(np.float16)
+    dst0 = np.full((int(cu[-1]) + 2, *ENTRIES[entry]), np.nan, np.float16)
     dst = backend.asarray(dst0)
     cupaged.cp_gather_cache(backend.asarray(cache), dst, backend.asarray(table), backend.asarray(cu), len(seq_lens),
                             None if starts is None else backend.asarray(starts), validate=True)
+    assert launched[-1] == ["1" if entry == "odd3" else "16"]
     ref = reference.cp_gather_cache(cache, dst0, table, cu, len(seq_lens), starts)
     assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
+
+
+@pytest.mark.parametrize("case", CP_GATHER_COVERING, ids=list(map(case_id, CP_GATHER_COVERING)))
+def test_cp_gather_cache_covering_set(backend, launched, case):
+    cp_gather_case(backend, launched, **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", full_product(CP_GATHER_GRID), ids=case_id)
+def test_cp_gather_cache_full_grid(backend, launched, case):
+    cp_gather_case(backend, launched, **case)
+
+
+@pytest.mark.slow
+def test_gathers_64bit_offsets(backend, launched):
+    """A latent fp8 cache past 2^31 bytes (2 GiB): sequences whose blocks sit where block_id * block
+    stride passes 2^31 are gathered and dequantized (gather_and_maybe_dequant_cache), and copied as
+    bytes into a dst one byte off alignment (cp_gather_cache's 1-byte path, strides in bytes), as the
+    reference does (32-bit offset arithmetic would wrap to a block near the start, or fault)."""
+    block_size, entry = 16, RANK + ROPE
+    num_blocks = 2**31 // (block_size * entry) + 3
+    live = np.array([[1, 2**31 // (block_size * entry) + 1, num_blocks - 1], [num_blocks - 2, num_blocks - 3, 0]])
+    assert live[0, 1] * block_size * entry > 2**31
+    cache = backend.empty((num_blocks, block_size, entry), np.uint8)
+    watched = np.unique(live)
+    rows, scale = mla_pool(np.random.default_rng(12), len(watched), block_size, np.float16, "fp8")
+    cache[backend.asarray(watched)] = backend.asarray(rows)
+    seq_lens = [40, 37]
+    table = np.concatenate([live, np.full((2, 1), 10**8)], axis=1).astype(np.int32)  # a garbage tail, never read
+    cu = np.array([0, 40, 77], np.int32)
+    local_table = np.where(table < num_blocks, np.searchsorted(watched, table), 0).astype(np.int32)
+    token_to_seq = np.repeat([0, 1], seq_lens).astype(np.int32)
+    dst0 = np.full((77, entry), np.nan, np.float16)
+    dst = backend.asarray(dst0)
+    cupaged.gather_and_maybe_dequant_cache(cache, dst, backend.asarray(table), backend.asarray(cu),
+                                           backend.asarray(token_to_seq), 77, "fp8", scale)
+    ref = reference.gather_and_maybe_dequant_cache(rows, dst0, local_table, cu, token_to_seq, 77, "fp8", scale)
+    assert_bytes_equal(backend.to_numpy(dst), ref, "gathered rows")
+    raw = backend.asarray(np.zeros((77, entry + 1), np.uint8))
+    cupaged.cp_gather_cache(cache, raw[:, 1:], backend.asarray(table), backend.asarray(cu), 2)
+    assert launched[-1] == ["1"]
+    ref = reference.cp_gather_cache(rows, np.zeros((77, entry), np.uint8), local_table, cu, 2)
+    assert_bytes_equal(backend.to_numpy(raw)[:, 1:], ref, "copied rows")
 
 
 def test_cp_gather_cache_bad_input(backend):

@@ -80,6 +80,8 @@ def case_id(case: dict) -> str:
             return "vec" if v else "scalar"
         if k == "fused":
             return "fused" if v else "plain"
+        if isinstance(v, bool):
+            return k if v else f"no_{k}"
         if isinstance(v, type):
             return dtype_id(v)
         return f"{k[0]}{v}" if isinstance(v, int) else str(v)
@@ -154,18 +156,22 @@ def check_dequantized(cache_bytes, scale, kv_cache_dtype, reference_values, what
     assert not bad.any(), f"{what}: {int(bad.sum())} dequantized values off by more than half an fp8 ulp"
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The template arguments of every cache-op kernel launched in the test, in order."""
+def record_launches(monkeypatch, family) -> list[list[str]]:
+    """The template arguments of every kernel of ``family`` launched from now on, in order."""
     args = []
-    function = cache_ops.FAMILY.function
+    function = family.function
 
     def record(name, xp):
         args.append(name[name.index("<") + 1:-1].split(", "))
         return function(name, xp)
 
-    monkeypatch.setattr(cache_ops.FAMILY, "function", record)
+    monkeypatch.setattr(family, "function", record)
     return args
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    return record_launches(monkeypatch, cache_ops.FAMILY)
 
 
 def slot_type(slot_dtype) -> str:
