@@ -1,5 +1,7 @@
 """Cache reads and block moves (gather_and_maybe_dequant_cache, cp_gather_cache, copy_blocks,
-swap_blocks) against cupaged.reference, on the sim (and cuda when a GPU is present).
+swap_blocks) against cupaged.reference, on the sim (and cuda when a GPU is present). Paged caches
+come from cupaged.testing.paged_kv: shuffled block ids, garbage past each table row's live blocks,
+every slot no token holds poisoned.
 
 The default run is a covering set (tests/test_cache_ops.py's covering_set): every gather kernel
 instantiation (dtype x kv-cache dtype) and word size once, every two values of any two axes
@@ -13,11 +15,11 @@ import pytest
 
 import cupaged
 from cupaged import cache_gather, reference
-from tests.test_cache_ops import (assert_bytes_equal, case_id, covering_set, fp8_scale, full_product, poisoned,
-                                  record_launches)
+from cupaged.testing import paged_kv, poisoned
+from tests.test_cache_ops import assert_bytes_equal, case_id, covering_set, full_product, record_launches
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
-RANK, ROPE = 512, 64
+ENTRY = 576  # an MLA latent row: kv_lora_rank 512 + rope_dim 64
 
 
 @pytest.fixture
@@ -25,55 +27,45 @@ def launched(monkeypatch):
     return record_launches(monkeypatch, cache_gather.FAMILY)
 
 
-def mla_pool(rng, num_blocks, block_size, dtype, kv_cache_dtype):
-    """A latent cache [num_blocks, block_size, 576] of random rows (fp8 codes for fp8) and its scale."""
-    rows = rng.standard_normal((num_blocks, block_size, RANK + ROPE)).astype(np.float32)
-    if kv_cache_dtype == "auto":
-        return rows.astype(dtype), 1.0
-    scale = fp8_scale(rows, kind="array")
-    return reference.quantize_fp8(rows, scale, kv_cache_dtype), scale
+def paged_rows(device, rng, context_lens, block_size, entry=(ENTRY,), *, starts=None, **options):
+    """cupaged.testing.paged_kv of sequences holding ``context_lens`` positions each, as rows of a cache
+    [num_blocks, block_size, *entry] (its MLA layout, or NHD for a 2-d entry): shuffled block ids, a
+    garbage table tail, every unused slot and the positions before ``starts`` (never read) poisoned."""
+    layout, heads, head_size = ("mla", 1, entry[0]) if len(entry) == 1 else ("NHD", *entry)
+    return paged_kv(context_lens, block_size=block_size, head_size=head_size, num_kv_heads=heads, layout=layout,
+                    poison_before=starts, rng=rng, device=device, **options)
 
 
-def sequences(rng, seq_lens, num_blocks, block_size, starts=None):
-    """A shuffled block table with room for each sequence's (start +) length; rows past a
-    sequence's last block hold garbage ids (never read)."""
-    starts = np.zeros(len(seq_lens), np.int64) if starts is None else np.asarray(starts)
-    need = [-(-(s + n) // block_size) for s, n in zip(starts, seq_lens)]
-    width = max(need + [1]) + 2
-    ids = rng.permutation(num_blocks)
-    table = rng.integers(10**6, 2 * 10**6, (len(seq_lens), width)).astype(np.int32)
-    used = 0
-    for b, n in enumerate(need):
-        table[b, :n] = ids[used:used + n] if used + n <= num_blocks else rng.choice(num_blocks, n)
-        used += n
-    cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
-    return table, cu
+def cu_seq_lens(seq_lens):
+    return np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
 
 
 GATHER_GRID = dict(dtype=DTYPES, kv_cache_dtype=["auto", "fp8", "fp8_e5m2"], seq_starts=[False, True],
-                   block_size=[1, 5, 16, 32])
+                   block_size=[1, 5, 16, 32], scale_kind=["float", "array"])
 GATHER_COVERING = covering_set(GATHER_GRID, full=("dtype", "kv_cache_dtype"))
 
 
-def gather_case(backend, launched, *, dtype, kv_cache_dtype, seq_starts, block_size):
+def gather_case(backend, launched, *, dtype, kv_cache_dtype, seq_starts, block_size, scale_kind):
     rng = np.random.default_rng(3 + block_size)
-    seq_lens = [5, 0, 33, 16, 1, 47]  # an empty sequence, block_size, block_size + 1
+    seq_lens = np.array([5, 0, 33, 16, 1, 47])  # an empty sequence, block_size, block_size + 1
     starts = rng.integers(0, 40, len(seq_lens)).astype(np.int32) if seq_starts else None
-    num_blocks = sum(-(-(n + 40) // block_size) for n in seq_lens)
-    table, cu = sequences(rng, seq_lens, num_blocks, block_size, starts)
-    cache, scale = mla_pool(rng, num_blocks, block_size, dtype, kv_cache_dtype)
-    num_tokens = int(cu[-1])
+    kv = paged_rows(backend.name, rng, seq_lens + (0 if starts is None else starts), block_size, starts=starts,
+                    dtype=dtype, kv_cache_dtype=kv_cache_dtype, spare_blocks=3, spare_columns=2)
+    scale = kv.k_scale if scale_kind == "float" else np.array([kv.k_scale], np.float32)
+    cu, num_tokens = cu_seq_lens(seq_lens), int(seq_lens.sum())
     token_to_seq = np.repeat(np.arange(len(seq_lens)), seq_lens).astype(np.int32)
     token_to_seq = np.concatenate([token_to_seq, np.zeros(3, np.int32)])  # 3 padding rows past the last token
-    dst0 = np.full((num_tokens + 3, RANK + ROPE), np.nan, dtype)
+    dst0 = np.full((num_tokens + 3, ENTRY), np.nan, dtype)
     dst = backend.asarray(dst0)
-    args = [backend.asarray(a) for a in (cache,)] + [dst] + [backend.asarray(a) for a in (table, cu, token_to_seq)]
-    cupaged.gather_and_maybe_dequant_cache(*args, num_tokens + 3, kv_cache_dtype, scale,
+    cupaged.gather_and_maybe_dequant_cache(kv.key_cache, dst, kv.block_tables, backend.asarray(cu),
+                                           backend.asarray(token_to_seq), num_tokens + 3, kv_cache_dtype, scale,
                                            None if starts is None else backend.asarray(starts), validate=True)
     assert launched[-1][1] == str({"auto": 0, "fp8": 1, "fp8_e5m2": 2}[kv_cache_dtype])
-    ref = reference.gather_and_maybe_dequant_cache(cache, dst0, table, cu, token_to_seq, num_tokens + 3,
-                                                   kv_cache_dtype, scale, starts)
+    cache, table = backend.to_numpy(kv.key_cache), backend.to_numpy(kv.block_tables)
+    ref = reference.gather_and_maybe_dequant_cache(cache, dst0, table, cu, token_to_seq, num_tokens + 3, kv_cache_dtype,
+                                                   scale, starts)
     assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
+    assert not np.isnan(ref[:num_tokens].astype(np.float32)).any(), "the reference read a poisoned slot"
     assert np.isnan(backend.to_numpy(dst)[num_tokens:].astype(np.float32)).all(), "padding rows were written"
 
 
@@ -93,17 +85,16 @@ def test_gather_skips_tokens_past_the_block_table_row(backend, validate):
     """vLLM's guard: a chunk whose seq_starts runs past the row is valid input; those tokens are skipped
     (dst rows untouched), the rest gathered, and nothing past the row is read (before: a read of the
     next row, or past the table)."""
-    rng = np.random.default_rng(4)
-    table, cu = sequences(rng, [20, 10], 32, 16)
-    table = table[:, :2]  # sequence 0 holds 32 positions in its row
-    cache, _ = mla_pool(rng, 32, 16, np.float16, "auto")
-    dst0 = np.full((30, RANK + ROPE), np.nan, np.float16)
+    kv = paged_rows(backend.name, np.random.default_rng(4), [32, 10], 16)  # rows of 2 and 1 blocks: width 2
+    cu = cu_seq_lens([20, 10])
+    dst0 = np.full((30, ENTRY), np.nan, np.float16)
     dst = backend.asarray(dst0)
     starts = np.array([20, 0], np.int32)  # sequence 0 reads positions 20..39: 32..39 are past its row
     token_to_seq = np.repeat([0, 1], [20, 10]).astype(np.int32)
-    cupaged.gather_and_maybe_dequant_cache(backend.asarray(cache), dst, backend.asarray(table), backend.asarray(cu),
+    cupaged.gather_and_maybe_dequant_cache(kv.key_cache, dst, kv.block_tables, backend.asarray(cu),
                                            backend.asarray(token_to_seq), 30, seq_starts=backend.asarray(starts),
                                            validate=validate)
+    cache, table = backend.to_numpy(kv.key_cache), backend.to_numpy(kv.block_tables)
     ref = reference.gather_and_maybe_dequant_cache(cache, dst0, table, cu, token_to_seq, 30, seq_starts=starts)
     assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
     assert np.isnan(backend.to_numpy(dst)[12:20].astype(np.float32)).all(), "rows past the block-table row written"
@@ -112,13 +103,12 @@ def test_gather_skips_tokens_past_the_block_table_row(backend, validate):
 
 @pytest.mark.parametrize("bad", [-1, 2], ids=["minus1", "batch"])
 def test_gather_validate_rejects_token_to_seq_outside_the_batch(backend, bad):
-    rng = np.random.default_rng(4)
-    table, cu = sequences(rng, [3, 4], 8, 16)
-    cache, _ = mla_pool(rng, 8, 16, np.float16, "auto")
-    dst0 = np.full((7, RANK + ROPE), np.nan, np.float16)
+    kv = paged_rows(backend.name, np.random.default_rng(4), [3, 4], 16, spare_blocks=6)
+    dst0 = np.full((7, ENTRY), np.nan, np.float16)
     token_to_seq = np.repeat([0, 1], [3, 4]).astype(np.int32)
     token_to_seq[5] = bad
-    args = [backend.asarray(a) for a in (cache, dst0, table, cu, token_to_seq)]
+    args = [kv.key_cache, backend.asarray(dst0), kv.block_tables, backend.asarray(cu_seq_lens([3, 4])),
+            backend.asarray(token_to_seq)]
     with pytest.raises(ValueError, match="token_to_seq"):
         cupaged.gather_and_maybe_dequant_cache(*args, 7, validate=True)
     assert_bytes_equal(backend.to_numpy(args[1]), dst0, "dst after a rejected call")
@@ -140,37 +130,37 @@ def test_gather_validate_rejects_token_to_seq_outside_the_batch(backend, bad):
 ], ids=["dst dtype", "src dtype", "dst width", "table dtype", "cu ndim", "token_to_seq dtype", "num_tokens",
         "fp8 float cache", "seq_starts short"])
 def test_gather_bad_input(backend, change, exc, name):
-    rng = np.random.default_rng(5)
-    table, cu = sequences(rng, [3, 4], 8, 16)
-    cache, _ = mla_pool(rng, 8, 16, np.float16, "auto")
-    dst0 = np.zeros((7, RANK + ROPE), np.float16)
-    a = dict(src_cache=backend.asarray(cache), dst=backend.asarray(dst0), block_table=backend.asarray(table),
-             cu_seq_lens=backend.asarray(cu), token_to_seq=backend.asarray(np.repeat([0, 1], [3, 4]).astype(np.int32)),
-             num_tokens=7)
+    kv = paged_rows(backend.name, np.random.default_rng(5), [3, 4], 16, spare_blocks=6)
+    dst0 = np.zeros((7, ENTRY), np.float16)
+    a = dict(src_cache=kv.key_cache, dst=backend.asarray(dst0), block_table=kv.block_tables,
+             cu_seq_lens=backend.asarray(cu_seq_lens([3, 4])),
+             token_to_seq=backend.asarray(np.repeat([0, 1], [3, 4]).astype(np.int32)), num_tokens=7)
     with pytest.raises(exc, match=name):
         cupaged.gather_and_maybe_dequant_cache(**{**a, **change(a)})
     assert_bytes_equal(backend.to_numpy(a["dst"]), dst0, "dst")
 
 
-ENTRIES = {"mla576": (RANK + ROPE,), "heads4x64": (4, 64), "odd3": (3,)}  # 16-byte words, 16-byte words, bytes
+ENTRIES = {"mla576": (ENTRY,), "heads4x64": (4, 64), "odd3": (3,)}  # 16-byte words, 16-byte words, bytes
 CP_GATHER_GRID = dict(entry=list(ENTRIES), seq_starts=[False, True], block_size=[5, 16])
 CP_GATHER_COVERING = covering_set(CP_GATHER_GRID, full=("entry",))
 
 
 def cp_gather_case(backend, launched, *, entry, seq_starts, block_size):
     rng = np.random.default_rng(6)
-    seq_lens = [17, 0, 64, 3, 40]
+    seq_lens = np.array([17, 0, 64, 3, 40])
     starts = rng.integers(0, 20, len(seq_lens)).astype(np.int32) if seq_starts else None
-    num_blocks = sum(-(-(n + 20) // block_size) for n in seq_lens)
-    table, cu = sequences(rng, seq_lens, num_blocks, block_size, starts)
-    cache = rng.standard_normal((num_blocks, block_size, *ENTRIES[entry])).astype(np.float16)
+    kv = paged_rows(backend.name, rng, seq_lens + (0 if starts is None else starts), block_size, ENTRIES[entry],
+                    starts=starts, spare_blocks=2, spare_columns=1)
+    cu = cu_seq_lens(seq_lens)
     dst0 = np.full((int(cu[-1]) + 2, *ENTRIES[entry]), np.nan, np.float16)
     dst = backend.asarray(dst0)
-    cupaged.cp_gather_cache(backend.asarray(cache), dst, backend.asarray(table), backend.asarray(cu), len(seq_lens),
+    cupaged.cp_gather_cache(kv.key_cache, dst, kv.block_tables, backend.asarray(cu), len(seq_lens),
                             None if starts is None else backend.asarray(starts), validate=True)
     assert launched[-1] == ["1" if entry == "odd3" else "16"]
-    ref = reference.cp_gather_cache(cache, dst0, table, cu, len(seq_lens), starts)
+    ref = reference.cp_gather_cache(backend.to_numpy(kv.key_cache), dst0, backend.to_numpy(kv.block_tables), cu,
+                                    len(seq_lens), starts)
     assert_bytes_equal(backend.to_numpy(dst), ref, "dst")
+    assert not np.isnan(ref[:int(cu[-1])].astype(np.float32)).any(), "the reference read a poisoned slot"
 
 
 @pytest.mark.parametrize("case", CP_GATHER_COVERING, ids=list(map(case_id, CP_GATHER_COVERING)))
@@ -190,29 +180,32 @@ def test_gathers_64bit_offsets(backend, launched):
     stride passes 2^31 are gathered and dequantized (gather_and_maybe_dequant_cache), and copied as
     bytes into a dst one byte off alignment (cp_gather_cache's 1-byte path, strides in bytes), as the
     reference does (32-bit offset arithmetic would wrap to a block near the start, or fault)."""
-    block_size, entry = 16, RANK + ROPE
-    num_blocks = 2**31 // (block_size * entry) + 3
-    live = np.array([[1, 2**31 // (block_size * entry) + 1, num_blocks - 1], [num_blocks - 2, num_blocks - 3, 0]])
-    assert live[0, 1] * block_size * entry > 2**31
-    cache = backend.empty((num_blocks, block_size, entry), np.uint8)
-    watched = np.unique(live)
-    rows, scale = mla_pool(np.random.default_rng(12), len(watched), block_size, np.float16, "fp8")
-    cache[backend.asarray(watched)] = backend.asarray(rows)
-    seq_lens = [40, 37]
-    table = np.concatenate([live, np.full((2, 1), 10**8)], axis=1).astype(np.int32)  # a garbage tail, never read
-    cu = np.array([0, 40, 77], np.int32)
-    local_table = np.where(table < num_blocks, np.searchsorted(watched, table), 0).astype(np.int32)
-    token_to_seq = np.repeat([0, 1], seq_lens).astype(np.int32)
-    dst0 = np.full((77, entry), np.nan, np.float16)
+    block_size, seq_lens = 16, [40, 37]
+    block_bytes = block_size * ENTRY
+    num_blocks = 2**31 // block_bytes + 8
+    high = 2**31 // block_bytes + 1  # the first block whose offset passes 2^31
+    assert high * block_bytes > 2**31
+    kv = paged_rows("numpy", np.random.default_rng(12), seq_lens, block_size, kv_cache_dtype="fp8", spare_columns=1)
+    small_table = kv.block_tables
+    need = [-(-n // block_size) for n in seq_lens]
+    live = np.arange(small_table.shape[1]) < np.array(need)[:, None]
+    placed = np.array([1, high, num_blocks - 1, 0, high + 2, num_blocks - 3])  # small block i -> placed[i]
+    assert len(placed) == kv.key_cache.shape[0]
+    cache = backend.empty((num_blocks, block_size, ENTRY), np.uint8)
+    cache[backend.asarray(placed)] = backend.asarray(kv.key_cache)
+    table = np.where(live, placed[np.where(live, small_table, 0)], 10**8).astype(np.int32)  # garbage tail: never read
+    cu, token_to_seq = cu_seq_lens(seq_lens), np.repeat([0, 1], seq_lens).astype(np.int32)
+    dst0 = np.full((77, ENTRY), np.nan, np.float16)
     dst = backend.asarray(dst0)
     cupaged.gather_and_maybe_dequant_cache(cache, dst, backend.asarray(table), backend.asarray(cu),
-                                           backend.asarray(token_to_seq), 77, "fp8", scale)
-    ref = reference.gather_and_maybe_dequant_cache(rows, dst0, local_table, cu, token_to_seq, 77, "fp8", scale)
+                                           backend.asarray(token_to_seq), 77, "fp8", kv.k_scale)
+    ref = reference.gather_and_maybe_dequant_cache(kv.key_cache, dst0, small_table, cu, token_to_seq, 77, "fp8",
+                                                   kv.k_scale)
     assert_bytes_equal(backend.to_numpy(dst), ref, "gathered rows")
-    raw = backend.asarray(np.zeros((77, entry + 1), np.uint8))
+    raw = backend.asarray(np.zeros((77, ENTRY + 1), np.uint8))
     cupaged.cp_gather_cache(cache, raw[:, 1:], backend.asarray(table), backend.asarray(cu), 2)
     assert launched[-1] == ["1"]
-    ref = reference.cp_gather_cache(rows, np.zeros((77, entry), np.uint8), local_table, cu, 2)
+    ref = reference.cp_gather_cache(kv.key_cache, np.zeros((77, ENTRY), np.uint8), small_table, cu, 2)
     assert_bytes_equal(backend.to_numpy(raw)[:, 1:], ref, "copied rows")
 
 

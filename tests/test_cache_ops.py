@@ -24,6 +24,7 @@ import pytest
 
 import cupaged
 from cupaged import cache_ops, reference
+from cupaged.testing import poisoned
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 FP8 = ["fp8", "fp8_e5m2"]
@@ -106,11 +107,6 @@ def kv_views(backend, rng, num_tokens, num_kv_heads, head_size, dtype, *, fused=
     buf = backend.asarray(rng.standard_normal((num_tokens, first + 2 * hd + skew)).astype(dtype))
     return (buf[:, first + skew:first + skew + hd].reshape(num_tokens, num_kv_heads, head_size),
             buf[:, first + skew + hd:first + skew + 2 * hd].reshape(num_tokens, num_kv_heads, head_size))
-
-
-def poisoned(shape, dtype):
-    return np.full(shape, 0xFF, np.uint8).view(np.dtype(dtype)).reshape(shape) if np.dtype(dtype).itemsize == 1 \
-        else np.full(shape, np.nan, dtype)
 
 
 def random_slots(rng, num_tokens, num_blocks, block_size, negative_every=0):
