@@ -16,15 +16,16 @@
 // Versions (all memory-bound copies: every byte read once, written once):
 //   v1 gather_and_maybe_dequant_cache_kernel: one CTA per gathered token (vLLM's op; tokens past
 //      their sequence or past its block-table row are skipped); fp8 rows dequantized into dst's dtype.
-//   v1 cp_gather_cache_kernel: (sequence, split) CTAs walking a sequence, raw 16-byte words.
-//   v1 copy_blocks_kernel: one CTA per (src, dst) pair, the block moved as raw 16-byte words.
+//   v1 cp_gather_cache_kernel: (sequence, split) CTAs walking a sequence, raw 16-byte words (bytes
+//      when a row, stride or address is not 16-byte aligned).
+//   v1 copy_blocks_kernel: one CTA per (src, dst) pair, the block moved as raw 16-byte words (or bytes).
 //
 // Used by:   cupaged/cache_gather.py (gather_and_maybe_dequant_cache, cp_gather_cache, copy_blocks; its
 //            swap_blocks is a host copy), cupaged/mla.py (mla_chunked_prefill's context gather),
 //            cupaged/selftest.py; reference: cupaged/reference/cache_gather.py
 // Test:      pytest tests/test_cache_gather.py      (sim; cuda too when a GPU is present; -m slow: the
 //            full grid and 64-bit offsets); also tests/test_mla.py, test_kv_cache.py, test_api_fuzz.py,
-//            test_bad_input.py
+//            test_bad_input.py; as every family, test_compile_gate.py, test_sim_params.py, test_runtime.py
 // Benchmark: python profiling/bench_cache_gather.py
 #include "common.cuh"
 
