@@ -6,10 +6,11 @@ import numbers
 
 import numpy as np
 
+from cupaged._backend import host_copy
 from cupaged._checks import CTYPE, FLOAT_DTYPES, check_choice, check_dtype, check_ndim
 
 __all__ = ["KV_CACHE_DTYPES", "KV_CODE", "kv_dtype_name", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
-           "host_copy", "kernel_scalar_type", "check_scale_values"]
+           "kernel_scalar_type", "check_scale_values"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CODE = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}  # KvDtype in kernels_cu/common.cuh
@@ -106,11 +107,6 @@ def check_index(name: str, a, ndim: int, dims: str, dtypes=(np.int32,)) -> None:
     check_dtype(name, a, dtypes)
     if a.size > 1 and a.strides[-1] != a.itemsize:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(a.strides)}")
-
-
-def host_copy(a) -> np.ndarray:
-    """A numpy copy of a numpy or cupy array (only for validate=True content checks)."""
-    return np.asarray(a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else a)
 
 
 def check_slots_in_pool(slot_mapping, num_slots: int, what: str) -> None:

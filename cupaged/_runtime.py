@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-__all__ = ["KernelFamily", "families", "array_module", "kernels_dir", "struct_arg", "quiet", "compile_notice"]
+__all__ = ["KernelFamily", "families", "kernels_dir", "quiet", "compile_notice"]
 
 CUDA_NOTICE_S = 1.0
 
@@ -161,44 +161,3 @@ def matching_include_dirs(dirs, cuda_major: int) -> tuple[str, ...]:
     Headers of another CUDA major (the sim extra pins 13.x) would not match CuPy's NVRTC, and a
     system toolkit's are CuPy's to find: CuPy locates the headers of its own CUDA itself."""
     return tuple(d for d in dirs if f"cu{cuda_major}" in os.path.normpath(d).split(os.sep))
-
-
-def array_module(**arrays):
-    """numpy for numpy arrays (the sim), cupy for cupy arrays; a mix raises TypeError.
-
-    ``None`` values are ignored. Every other value must be an array of one of the two kinds.
-    """
-    kinds: dict[str, list[str]] = {}
-    for name, a in arrays.items():
-        if a is None:
-            continue
-        if isinstance(a, np.ndarray):
-            kinds.setdefault("numpy", []).append(name)
-            continue
-        cupy = sys.modules.get("cupy")
-        if cupy is not None and isinstance(a, cupy.ndarray):
-            kinds.setdefault("cupy", []).append(name)
-            continue
-        raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
-    if len(kinds) > 1:
-        raise TypeError(
-            "arrays on different backends: "
-            + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kinds.items()))
-            + " (numpy arrays run on the sim, cupy arrays on the GPU: pass one kind)"
-        )
-    if "cupy" in kinds:
-        return sys.modules["cupy"]
-    return np
-
-
-def struct_arg(value: np.ndarray, xp):
-    """A kernel argument for a C struct passed by value, from a 0-d numpy structured array whose
-    dtype matches the struct's layout (``align=True``). The sim takes the numpy scalar and checks
-    its size against the parameter; CuPy passes a ``CPointer`` to the bytes as the argument's
-    address (what cuLaunchKernel reads a by-value parameter from), which works whether or not the
-    installed CuPy knows structured scalars. ``value`` must stay alive until the launch returns."""
-    if xp is np:
-        return value[()]
-    from cupy.cuda.function import CPointer
-
-    return CPointer(value.ctypes.data)

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from cupaged import reference
+from cupaged._backend import gpu_module
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_decode
 from cupaged.paged_attention import paged_attention
@@ -236,13 +237,9 @@ CASES = {
 
 
 def _backend():
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return "cuda", cupy.asarray
-    except Exception:  # no cupy / driver / device: the sim it is
-        pass
+    cupy = gpu_module()
+    if cupy is not None:
+        return "cuda", cupy.asarray
     from cupaged import sim
 
     return "sim", sim.asarray
