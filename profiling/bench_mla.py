@@ -27,7 +27,7 @@ import _model  # noqa: E402
 import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
-from cupaged.paged_attention import ROWS, choose_split  # noqa: E402
+from cupaged.attention import choose_split, kernel_constants  # noqa: E402
 
 RANK, ROPE, BLOCK = 512, 64, 64
 DTYPES = {"fp16": (np.float16, "auto"), "bf16": (ml_dtypes.bfloat16, "auto"), "fp8_e4m3": (ml_dtypes.bfloat16, "fp8")}
@@ -72,7 +72,8 @@ def decode(device, s, block=BLOCK, kv_split_size=None):
 def project(s, subset):
     """The full batch's plan (its split) on ``subset`` sequences, every CTA profiled: the head tiles of
     one split share their latent rows in L2, so sampling among them would over-count distinct bytes."""
-    split = choose_split(np, s["batch"] * -(-s["num_heads"] // ROWS), s["context"]) or s["context"]
+    tiles = -(-s["num_heads"] // kernel_constants()["PA_ROWS"])
+    split = choose_split(np, s["batch"] * tiles, s["context"]) or s["context"]
     run = decode("sim", dict(s, batch=subset), kv_split_size=split)
     return _model.project(s, run, cost(s), s["batch"] // subset)
 

@@ -3,8 +3,8 @@
 GPU: CUDA events with L2 flushed between reps, NVTX ranges named by config; rows of µs, GB/s (the
 op's declared minimum bytes, cupaged/_cost.py, / time), % of the H200 spec bandwidth and of the
 device-to-device copy measured in the same run, TFLOP/s; model rows a ``--model`` run cached are
-printed beside. ``--model`` (sim, no GPU): the H200 model projected to the production shapes the
-decode and prefill issues name (profiling/_model.py): decode 64 x 4096 with 32/8 and 64/8 heads,
+printed beside. ``--model`` (sim, no GPU): the H200 model projected to these production shapes
+(profiling/_model.py): decode 64 x 4096 with 32/8 and 64/8 heads,
 head 128, fp16 / bf16 / fp8_e4m3; decode 1 x 32768 32/8 fp16; prefill 8 x 2048 causal 32/8 bf16
 (``--sweep`` adds decode contexts 512..16384 and prefill lengths 512 and 1024). Without either: a
 smoke run of tiny sizes on the sim (CPU timings of the simulator, not GPU timings).
@@ -30,7 +30,7 @@ import _model  # noqa: E402
 import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
-from cupaged.paged_attention import ROWS, choose_split  # noqa: E402
+from cupaged.attention import choose_split, kernel_constants  # noqa: E402
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
 DTYPES = {"fp16": (np.float16, "auto"), "bf16": (ml_dtypes.bfloat16, "auto"), "fp8_e4m3": (np.float16, "fp8_e4m3"),
@@ -80,7 +80,7 @@ def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, he
 def project(s: dict, subset: int, block_stride) -> dict:
     """Model row of shape ``s``: its plan (the split the full batch gets) run on ``subset`` sequences."""
     gqa = s["num_heads"] // s["num_kv_heads"]
-    tiles = -(-s["q_len"] * gqa // ROWS)
+    tiles = -(-s["q_len"] * gqa // kernel_constants()["PA_ROWS"])
     split = choose_split(np, s["batch"] * s["num_kv_heads"] * tiles, s["context"]) or s["context"]
     run = setup("sim", subset, s["context"], s["q_len"], gqa, s["kv_dtype"], s["num_kv_heads"], s["head_size"],
                 kv_split_size=split)
