@@ -3,6 +3,13 @@
 // Compiled by NVRTC (GPU) and by g++ through the sim's shim (CPU), so only what both accept:
 // no <cmath>/<cstdint>, no INFINITY, no std::. Element types are float, __half and
 // __nv_bfloat16; arithmetic is always float32. fp8 caches are bytes (unsigned char).
+//
+// Used by:   every kernels_cu/*.cu (cache_ops.cu, cache_gather.cu, paged_attention.cu, merge_attn_states.cu)
+//            and softmax.cuh; inlined into each source by cupaged/_runtime.py (KernelFamily.source);
+//            KvDtype is mirrored by KV_CODE in cupaged/_cache_args.py (cache_ops.py, cache_gather.py)
+//            and by the name expressions of cupaged/attention.py.
+// Test:      through its kernels' tests; tests/test_runtime.py checks it is inlined once per source.
+// Benchmark: through its kernels' benchmarks (profiling/bench_*.py).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

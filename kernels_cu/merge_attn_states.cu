@@ -1,6 +1,7 @@
 // merge_attn_states.cu: merge two partial attention states (prefix and suffix) of the same queries.
 //
-// Maths, per (token t, head h), in float32 with LSEs in natural log (section 2.2 of arXiv 2501.01005):
+// Maths, per (token t, head h), in float32 with LSEs in natural log (section 2.2 of arXiv 2501.01005;
+// softmax.cuh's lse_merge, the arithmetic paged_attention.cu's split merge shares):
 //   p, s = prefix_lse[h, t], suffix_lse[h, t], each +inf taken as -inf (FA2 writes +inf for empty rows)
 //   M = max(p, s);  w_p = e^{p - M} / (e^{p - M} + e^{s - M}),  w_s = 1 - w_p (computed as its own ratio)
 //   output[t, h, :] = w_p * prefix_output[t, h, :] + w_s * suffix_output[t, h, :]
@@ -22,9 +23,13 @@
 //      and stride aligned; element by element otherwise). One 32-bit divide per thread, no 64-bit
 //      index arithmetic on the hot path. Head size is a run-time value (any multiple of 8).
 //
-// Test:      pytest tests/test_merge_attn_states.py     (sim; cuda too when a GPU is present)
-// Benchmark: python profiling/bench_merge.py
+// Used by:   cupaged/merge_attn_states.py (the family and the op), mla.py (mla_chunked_prefill merges each
+//            context chunk into the running state), selftest.py; oracle: cupaged/reference/merge_attn_states.py
+// Test:      pytest tests/test_merge_attn_states.py     (sim; cuda too when a GPU is present); also
+//            test_mla.py (chunked prefill), test_api_fuzz.py, test_compile_gate.py
+// Benchmark: python profiling/bench_merge_attn_states.py
 #include "common.cuh"
+#include "softmax.cuh"
 
 namespace cupaged {
 
@@ -85,25 +90,14 @@ __global__ void __launch_bounds__(256) merge_attn_states_kernel(
   if (!live) return;
 
   const bool no_prefix = token >= prefill_tokens_with_context;
-  const float raw_s = s;
-  p = isinf(p) ? neg_inf() : p;
-  s = isinf(s) ? neg_inf() : s;
-  const float m = fmaxf(p, s);
-  const bool both_empty = m == neg_inf();
-  float w_p = 1.0f, w_s = 0.0f, lse = m;
-  if (!no_prefix && !both_empty) {
-    const float e_p = expf(p - m), e_s = expf(s - m), total = e_p + e_s;
-    w_p = e_p / total;  // ratios first: never scale an output by an unnormalized exponential
-    w_s = e_s / total;
-    lse = m + logf(total);
-  }
+  const LseMerge mg = lse_merge(p, s);
   if (output_lse != nullptr && threadIdx.x == 0)
-    output_lse[head * out_lse_head_stride + token * out_lse_token_stride] = no_prefix ? raw_s : lse;
+    output_lse[head * out_lse_head_stride + token * out_lse_token_stride] = no_prefix ? s : mg.lse;
 
   T* out = output + token * out_token_stride + head * out_head_stride;
   const T* pre = prefix_output + token * prefix_token_stride + head * prefix_head_stride;
   const T* suf = suffix_output + token * suffix_token_stride + head * suffix_head_stride;
-  const T* copy_from = no_prefix ? suf : both_empty ? pre : nullptr;  // the same for the whole row
+  const T* copy_from = no_prefix ? suf : mg.lse == neg_inf() ? pre : nullptr;  // the same for the whole row
   for (int e = threadIdx.x * PACK; e < head_size; e += blockDim.x * PACK) {
     if (copy_from != nullptr) {
       store_pack<T, VEC>(out + e, load_pack<T, VEC>(copy_from + e));
@@ -111,7 +105,7 @@ __global__ void __launch_bounds__(256) merge_attn_states_kernel(
       const Vec<T, PACK> a = load_pack<T, VEC>(pre + e), b = load_pack<T, VEC>(suf + e);
       Vec<T, PACK> o;
 #pragma unroll
-      for (int i = 0; i < PACK; ++i) o.v[i] = from_float<T>(w_p * to_float(a.v[i]) + w_s * to_float(b.v[i]));
+      for (int i = 0; i < PACK; ++i) o.v[i] = from_float<T>(mg.w1 * to_float(a.v[i]) + mg.w2 * to_float(b.v[i]));
       store_pack<T, VEC>(out + e, o);
     }
   }

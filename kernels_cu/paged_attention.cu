@@ -21,24 +21,37 @@
 // is cu_seqlens_k[b + 1] - cu_seqlens_k[b]. MLA mode (SHARED_KV): the value of a key is the first
 // v_head_size entries of its latent row, so one shared-memory tile serves as both K and V.
 //
-// Versions:
-//   v1 paged_attention_kernel: one CTA per (kv head, sequence, tile of R query rows, KV split). The R
-//      rows are (token, head) pairs of one GQA group, so every K/V byte a CTA reads serves all of its
-//      query heads. K/V tiles of TK tokens are staged in shared memory as float32 (fp8 dequantized on
-//      load, 16-byte loads when aligned), only the union of the rows' visible ranges is loaded, and
-//      scores and P·V run over each row's own visible range: masking is selection, never a zero weight
-//      times a loaded value. A sequence whose context fits one split writes out/LSE itself; otherwise
-//      each split writes (max, exp-sum relative to it, normalized output) and
-//   v1 paged_attention_reduce_kernel merges the splits of one (token, head), adding the sink once.
+// Kernels (softmax.cuh holds the finish and merge arithmetic, shared with merge_attn_states.cu):
+//   paged_attention_kernel: one CTA per (kv head, sequence, KV split, tile of R query rows). The R rows are
+//      (token, head) pairs of one GQA group, so every K/V byte a CTA reads serves all of its query heads; a
+//      CTA also takes its sequence's row tiles p.tiles further on (rows past the max_query_len hint). K/V
+//      tiles of TK tokens are staged in shared memory as float32 (fp8 dequantized on load, 16-byte loads
+//      when aligned), only the union of the rows' visible ranges is loaded, and scores and P·V run over
+//      each row's own visible range: masking is selection, never a zero weight times a loaded value. A
+//      sequence whose context fits one split finishes out/LSE itself (softmax_finish); otherwise each split
+//      writes float32 partials (max, exp-sum relative to it, normalized output), and
+//   paged_attention_reduce_kernel merges the splits of one (token, head), adding the sink once (softmax_merge).
 //   Head tiles of one split are adjacent in the grid, so for MLA (one latent head shared by up to 128
 //   query heads, 16 per CTA) the CTAs reading the same cache bytes run together and share them in L2.
-//   v2 (both kernels): split partials float32 (v1 rounded them to out's type: bf16 decode was off by
-//      up to ~3,800 ulps); a CTA loops over its sequence's row tiles and a sequence's splits are
-//      clamped to the partial buffers, so understated host hints stay correct; q . k in four sums.
 //
-// Test:      pytest tests/test_paged_attention.py tests/test_decode_accuracy.py tests/test_attention_hints.py
-// Benchmark: python profiling/bench_paged_attention.py
+// Versions (the code below is the last):
+//   v1: partials in out's type, one row tile per CTA, splits from kv_split_size alone, q . k in one sum.
+//   v2: float32 partials (v1's bf16 decode was off by up to ~3,800 ulps); a CTA loops over its sequence's
+//       row tiles and splits clamp to the partial buffers, so understated host hints stay correct; q . k in
+//       four sums.
+//
+// Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch both kernels, reading
+//            PA_* and PaParams from this file through cupaged/_mirror.py), paged_attention.py,
+//            paged_attention_vllm.py (v1/v2), varlen_attention.py, mla.py (mla_decode, mla_chunked_prefill),
+//            _attention_args.py (the cache strides), selftest.py; oracle: cupaged/reference/attention.py
+// Test:      pytest tests/test_paged_attention.py tests/test_paged_attention_vllm.py tests/test_varlen_attention.py
+//            tests/test_mla.py tests/test_decode_accuracy.py tests/test_attention_hints.py
+//            tests/test_attention_plan.py tests/test_mirror.py; also test_bad_input.py, test_api_fuzz.py,
+//            test_kv_cache.py, test_cost.py, test_sim_alignment.py, test_sim_model.py, test_sim_launch.py,
+//            test_compile_gate.py
+// Benchmark: python profiling/bench_paged_attention.py; python profiling/bench_mla.py (MLA decode)
 #include "common.cuh"
+#include "softmax.cuh"
 
 namespace cupaged {
 
@@ -349,18 +362,15 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
         }
       }
       if (splits.count == 1) {  // the whole context was this CTA's: finish the row here
-        const float mx = fmaxf(m, row.sink);
-        const float w = l > 0.0f ? expf(m - mx) : 0.0f;
-        const float total = l * w + (row.sink == neg_inf() ? 0.0f : expf(row.sink - mx));
-        const float f = total > 0.0f ? w / total : 0.0f;
+        const SoftmaxFinish fin = softmax_finish(m, l, row.sink);
 #pragma unroll
         for (int c = 0; c < COLS; ++c) {
           const int d = my_col + c * PA_THREADS;
           if (d < p.v_head_size)
-            out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(acc[k][c] * f);
+            out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] =
+                from_float<T>(acc[k][c] * fin.scale);
         }
-        if (lse && my_col == 0)
-          lse[(long long)row.head * p.num_tokens + row.token] = total > 0.0f ? mx + logf(total) : neg_inf();
+        if (lse && my_col == 0) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
       }
     }
     __syncthreads();  // the next tile rewrites rows, q and the row statistics
@@ -396,24 +406,16 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   const long long th = (long long)token * p.num_heads + head;
   const float* m = max_logits + th * p.max_splits;
   const float* l = exp_sums + th * p.max_splits;
-  const float sink = sinks ? sinks[head] : neg_inf();
-  float mx = sink;
-  for (int s = 0; s < num_splits; ++s)
-    if (l[s] > 0.0f) mx = fmaxf(mx, m[s]);
-  float total = sink == neg_inf() ? 0.0f : expf(sink - mx);
-  for (int s = 0; s < num_splits; ++s)
-    if (l[s] > 0.0f) total += expf(m[s] - mx) * l[s];
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  const SoftmaxMerge mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf());
   for (int d = threadIdx.x; d < p.v_head_size; d += blockDim.x) {
     float a = 0.0f;
     for (int s = 0; s < num_splits; ++s)
       if (l[s] > 0.0f)
-        a += expf(m[s] - mx) * l[s] * pa_load_partial<T>(tmp_output, (th * p.max_splits + s) * p.v_head_size + d,
-                                                           p.partials_in_out_type);
-    out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(a * inv);
+        a += softmax_share(m[s], l[s], mg.mx) *
+             pa_load_partial<T>(tmp_output, (th * p.max_splits + s) * p.v_head_size + d, p.partials_in_out_type);
+    out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(a * mg.inv);
   }
-  if (lse && threadIdx.x == 0)
-    lse[(long long)head * p.num_tokens + token] = total > 0.0f ? mx + logf(total) : neg_inf();
+  if (lse && threadIdx.x == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
 }
 
 }  // namespace cupaged

@@ -1,0 +1,85 @@
+// softmax.cuh: finishing and merging softmax states, the arithmetic every attention kernel shares.
+//
+// Maths. A softmax state over a set of logits s_j is (m, l) with m = max_j s_j and l = sum_j e^{s_j - m},
+// so LSE = m + log l; the empty set is (-inf, 0). Attention carries with it the normalised output
+// o = sum_j e^{s_j - m} v_j / l. States over disjoint sets of keys, i = 1..n, merge into one:
+//   M = max_i m_i over non-empty states,  w_i = e^{m_i - M} (0 for an empty state),  L = sum_i w_i l_i,
+//   out = sum_i w_i l_i o_i / L,  LSE = M + log L.
+// An LSE alone is the state (LSE, 1). A sink logit (docs/conventions.md §4) is the state (sink, 1) with
+// no output: it joins M and L once, in the final merge (never in a split's partial), and adds nothing to
+// out. L = 0 (every state empty, no sink) gives out 0 and LSE -inf, never 0/0. Empty states are skipped
+// by selection, never weighted by zero: an empty split's m or partial output may be -inf or garbage.
+//
+// Used by:   paged_attention.cu (softmax_finish: one CTA's state and the sink; softmax_merge: the splits
+//            in paged_attention_reduce_kernel), merge_attn_states.cu (lse_merge: two LSE states).
+// Python:    through those kernels: cupaged/attention.py (and the ops on it: paged_attention.py,
+//            paged_attention_vllm.py, varlen_attention.py, mla.py), merge_attn_states.py.
+// Test:      pytest tests/test_paged_attention.py tests/test_merge_attn_states.py tests/test_decode_accuracy.py
+//            (and every test those kernels' headers list)
+// Benchmark: python profiling/bench_paged_attention.py; bench_mla.py; bench_merge_attn_states.py
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+// M so far, folding in state (m, l); start from the sink (-inf without one).
+__device__ __forceinline__ float softmax_max(float mx, float m, float l) { return l > 0.0f ? fmaxf(mx, m) : mx; }
+
+// The sink's term of L: e^{sink - M}, 0 without a sink.
+__device__ __forceinline__ float softmax_sink_term(float sink, float mx) {
+  return sink == neg_inf() ? 0.0f : expf(sink - mx);
+}
+
+// LSE = M + log L; -inf when L = 0 (nothing visible, no sink).
+__device__ __forceinline__ float softmax_lse(float mx, float total) {
+  return total > 0.0f ? mx + logf(total) : neg_inf();
+}
+
+// One state (m, l) whose output is still the unnormalised sum acc = l o, finished with the sink:
+// out = acc * scale (0 for an empty row), lse as above.
+struct SoftmaxFinish {
+  float scale, lse;
+};
+
+__device__ __forceinline__ SoftmaxFinish softmax_finish(float m, float l, float sink) {
+  const float mx = softmax_max(sink, m, l);
+  const float w = l > 0.0f ? expf(m - mx) : 0.0f;
+  const float total = softmax_sink_term(sink, mx) + w * l;
+  return {total > 0.0f ? w / total : 0.0f, softmax_lse(mx, total)};
+}
+
+// n states (m[i], l[i]) and the sink: M, 1 / L (0 when L = 0) and the LSE. The caller weights the
+// output o_i of each non-empty state (l[i] > 0) by softmax_share(m[i], l[i], M) * inv.
+struct SoftmaxMerge {
+  float mx, inv, lse;
+};
+
+// w_i l_i, the term of a non-empty state in L.
+__device__ __forceinline__ float softmax_share(float m, float l, float mx) { return expf(m - mx) * l; }
+
+__device__ __forceinline__ SoftmaxMerge softmax_merge(const float* m, const float* l, int n, float sink) {
+  float mx = sink;
+  for (int i = 0; i < n; ++i) mx = softmax_max(mx, m[i], l[i]);
+  float total = softmax_sink_term(sink, mx);
+  for (int i = 0; i < n; ++i)
+    if (l[i] > 0.0f) total += softmax_share(m[i], l[i], mx);
+  return {mx, total > 0.0f ? 1.0f / total : 0.0f, softmax_lse(mx, total)};
+}
+
+// Two LSE states with normalised outputs o1, o2: out = w1 o1 + w2 o2 and the merged LSE. An infinite LSE
+// of either sign is an empty state (FlashAttention-2 writes +inf for a row without keys). Both empty:
+// w1 = 1, w2 = 0 and LSE -inf, and only then is the LSE -inf (callers copy o1 bit for bit).
+struct LseMerge {
+  float w1, w2, lse;
+};
+
+__device__ __forceinline__ LseMerge lse_merge(float lse1, float lse2) {
+  lse1 = isinf(lse1) ? neg_inf() : lse1;
+  lse2 = isinf(lse2) ? neg_inf() : lse2;
+  const float mx = fmaxf(lse1, lse2);
+  if (mx == neg_inf()) return {1.0f, 0.0f, neg_inf()};
+  const float e1 = expf(lse1 - mx), e2 = expf(lse2 - mx), total = e1 + e2;
+  return {e1 / total, e2 / total, mx + logf(total)};  // ratios first: never scale an output by e^{...} alone
+}
+
+}  // namespace cupaged
