@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: CUDA-event timing with an L2 flush between reps, NVTX ranges, the
-device's peak bandwidth, and the one-table output STYLE.md asks for."""
+device's peak bandwidth, and the one-table output of docs/adding-a-kernel.md §6."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Inputs every op once accepted and got wrong, or rejected with an unhelpful error (issue: bad
-input). Each is now a TypeError / ValueError naming the argument before any launch, and nothing is
-written: read-only outputs and caches (numpy; they were silently left unwritten), a non-finite
+"""Inputs every op once accepted and got wrong, or rejected with an unhelpful error. Each is now
+a TypeError / ValueError naming the argument before any launch, and nothing is written:
+read-only outputs and caches (numpy; they were silently left unwritten), a non-finite
 softcap (every output NaN), fp8 scale arrays holding 0, -1 or NaN (checked with validate=True, as
 scalars always are), a str for causal, a list for scale, a window past int32, a list for a block
 mapping; public classes name their module ``cupaged``."""
