@@ -9,11 +9,15 @@ import numpy as np
 from cupaged._backend import host_copy
 from cupaged._checks import CTYPE, FLOAT_DTYPES, check_choice, check_dtype, check_ndim
 
-__all__ = ["KV_CACHE_DTYPES", "KV_CODE", "kv_dtype_name", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
+__all__ = ["KV_CACHE_DTYPES", "KV_CODE", "KV_KINDS", "kv_dtype_name", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
            "kernel_scalar_type", "check_scale_values"]
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-KV_CODE = {"auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 2}  # KvDtype in kernels_cu/common.cuh
+# A kv_cache_dtype's template argument: enum KvDtype of kernels_cu/common.cuh by name, so compiled
+# names read cupaged::reshape_and_cache_flash_kernel<__half, cupaged::KV_E4M3, ...>.
+KV_CODE = {"auto": "cupaged::KV_AUTO", "fp8": "cupaged::KV_E4M3", "fp8_e4m3": "cupaged::KV_E4M3",
+           "fp8_e5m2": "cupaged::KV_E5M2"}
+KV_KINDS = ("cupaged::KV_AUTO", "cupaged::KV_E4M3", "cupaged::KV_E5M2")  # every one, for name expressions
 SLOT_DTYPES = (np.int64, np.int32)
 
 

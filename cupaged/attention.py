@@ -19,7 +19,7 @@ import numpy as np
 from cupaged._annotate import declare_launch, op_range
 from cupaged._attention_args import check_caches
 from cupaged._backend import empty, module_of, sm_count, struct_arg
-from cupaged._cache_args import kv_dtype_name, kv_scale_args
+from cupaged._cache_args import KV_CODE, KV_KINDS, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, address, element_strides
 from cupaged._cost import attention_cost
 from cupaged._mirror import constants, struct_dtype
@@ -29,8 +29,6 @@ __all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "FAMILY
 
 HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
-KV_ENUM = {"auto": "cupaged::KV_AUTO", "fp8": "cupaged::KV_E4M3", "fp8_e4m3": "cupaged::KV_E4M3",
-           "fp8_e5m2": "cupaged::KV_E5M2"}  # enum KvDtype in kernels_cu/common.cuh
 _TYPES = ("float", "__half", "__nv_bfloat16")
 
 
@@ -42,10 +40,9 @@ def _reduce(t):
     return f"cupaged::paged_attention_reduce_kernel<{t}>"
 
 
-_KV_KINDS = ("cupaged::KV_AUTO", "cupaged::KV_E4M3", "cupaged::KV_E5M2")
 FAMILY = KernelFamily("paged_attention", [
-    *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in _KV_KINDS for hd in HEAD_BUCKETS),
-    *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in _KV_KINDS),
+    *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
+    *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
     *(_reduce(t) for t in _TYPES),
 ])
 
@@ -193,7 +190,7 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
         kv=f"{kv.kind}:{kv.kv_cache_dtype}:{kv.block_size}", tiles=tiles, kv_split_size=split, max_splits=max_splits,
         always_partials=always_partials, grid=(tiles * max_splits, kv.num_kv_heads, num_seqs),
         threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
-        kernel=_main(t, KV_ENUM[kv.kv_cache_dtype], hd, vhd, shared),
+        kernel=_main(t, KV_CODE[kv.kv_cache_dtype], hd, vhd, shared),
         reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None)
 
 

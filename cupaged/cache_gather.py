@@ -4,19 +4,21 @@ caches (host <-> device, no kernel)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from cupaged._annotate import op_launch
-from cupaged._cache_args import KV_CODE, cache_dtype, check_index, check_scale_values, scale_args
+from cupaged._cache_args import KV_CODE, KV_KINDS, cache_dtype, check_index, check_scale_values, scale_args
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
     check_writable, element_strides, validate_enabled
 from cupaged._cost import Cost
 from cupaged._backend import array_module, host_copy
+from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
 
 __all__ = ["gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks", "swap_blocks"]
 
-_THREADS = 256
 _WORDS = (1, 16)  # raw copies move 16-byte words when every address and stride allows, else bytes
 
 
@@ -29,9 +31,14 @@ def _words(kernel, word):
 
 
 FAMILY = KernelFamily("cache_gather", [
-    *(_gather(CTYPE[d], kv) for d in FLOAT_DTYPES for kv in (0, 1, 2)),
+    *(_gather(CTYPE[d], kv) for d in FLOAT_DTYPES for kv in KV_KINDS),
     *(_words(k, w) for k in ("cp_gather_cache_kernel", "copy_blocks_kernel") for w in _WORDS),
 ])
+
+
+@functools.cache
+def _threads() -> int:
+    return constants(FAMILY.source, "CACHE_GATHER_THREADS")["CACHE_GATHER_THREADS"]
 
 
 def _check_tables(block_table, cu_seq_lens, seq_starts, batch: int):
@@ -116,7 +123,7 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
     kernel = FAMILY.function(_gather(CTYPE[dst.dtype], KV_CODE[kv_cache_dtype]), xp)
     with op_launch(xp, "gather_and_maybe_dequant_cache", lambda: f"t={num_tokens} row={dst.shape[1]} {dst.dtype}",
                    lambda: Cost(num_tokens * dst.shape[1] * (src_cache.itemsize + dst.itemsize), 0)):
-        kernel((num_tokens,), (_THREADS,),
+        kernel((num_tokens,), (_threads(),),
                (src_cache, dst, block_table, cu_seq_lens, token_to_seq, seq_starts, ptr, value,
                 *(np.int64(s) for s in strides), np.int32(dst.shape[1]), np.int32(src_cache.shape[1]),
                 np.int32(batch), np.int32(block_table.shape[1])))
@@ -169,7 +176,7 @@ def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_st
     kernel = FAMILY.function(_words("cp_gather_cache_kernel", word), xp)
     with op_launch(xp, "cp_gather_cache", lambda: f"b={batch_size} row={row_bytes}B",
                    lambda: Cost(2 * row_bytes * int(cu_seq_lens[batch_size] - cu_seq_lens[0]), 0)):
-        kernel((batch_size, splits), (_THREADS,),
+        kernel((batch_size, splits), (_threads(),),
                (src_cache, dst, block_table, cu_seq_lens, seq_starts, *(np.int64(s // word) for s in byte_strides),
                 np.int64(element_strides("block_table", block_table)[0]), np.int32(row_bytes // word),
                 np.int32(src_cache.shape[1])))
@@ -227,7 +234,7 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
         kernel = FAMILY.function(_words("copy_blocks_kernel", word), xp)
         with op_launch(xp, "copy_blocks", lambda: f"pairs={mapping.shape[0]} block={block_bytes}B",
                        lambda: Cost(2 * mapping.shape[0] * block_bytes + mapping.nbytes, 0)):
-            kernel((mapping.shape[0],), (_THREADS,),
+            kernel((mapping.shape[0],), (_threads(),),
                    (cache, mapping, np.int64(cache.strides[0] // word), np.int64(block_bytes // word)))
 
 

@@ -3,10 +3,13 @@ vLLM and MLA layouts, fp8 with scales. Gathers, block copies and swaps: cache_ga
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from cupaged._cache_args import (
     KV_CODE,
+    KV_KINDS,
     cache_dtype,
     check_scale_values,
     check_slot_mapping,
@@ -30,13 +33,19 @@ from cupaged._checks import (
 from cupaged._annotate import op_launch
 from cupaged._cost import Cost
 from cupaged._backend import array_module
+from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
 
 __all__ = ["reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla"]
 
 LAYOUTS = ("NHD", "HND")
 SLOTS = ("int", "long long")
-_THREADS = 256
+
+
+
+@functools.cache
+def _threads() -> int:
+    return constants(FAMILY.source, "CACHE_OPS_THREADS")["CACHE_OPS_THREADS"]
 
 
 def _flash(t, kv, slot, vec):
@@ -53,9 +62,9 @@ def _mla(t, kv, slot):
 
 _TYPES = [(CTYPE[d], 16 // d.itemsize) for d in FLOAT_DTYPES]
 FAMILY = KernelFamily("cache_ops", [
-    *(_flash(t, kv, s, v) for t, vec in _TYPES for kv in (0, 1, 2) for s in SLOTS for v in (1, vec)),
-    *(_vllm(t, kv, s, v) for t, _ in _TYPES for kv in (0, 1, 2) for s in SLOTS for v in (False, True)),
-    *(_mla(t, kv, s) for t, _ in _TYPES for kv in (0, 1, 2) for s in SLOTS),
+    *(_flash(t, kv, s, v) for t, vec in _TYPES for kv in KV_KINDS for s in SLOTS for v in (1, vec)),
+    *(_vllm(t, kv, s, v) for t, _ in _TYPES for kv in KV_KINDS for s in SLOTS for v in (False, True)),
+    *(_mla(t, kv, s) for t, _ in _TYPES for kv in KV_KINDS for s in SLOTS),
 ])
 
 
@@ -136,7 +145,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     if not (head_size % vec == 0 and _aligned((key, value, key_cache, value_cache), strides, vec)):
         vec = 1
     kernel = FAMILY.function(_flash(ctype, KV_CODE[kv_cache_dtype], CTYPE[slot_mapping.dtype], vec), xp)
-    threads = min(_THREADS, max(32, -(-num_kv_heads * head_size // vec // 32) * 32))
+    threads = min(_threads(), max(32, -(-num_kv_heads * head_size // vec // 32) * 32))
     with op_launch(xp, "reshape_and_cache_flash", lambda: f"t={num_tokens} h={num_kv_heads} d={head_size} "
                    f"bs={block_size} {layout} {kv_dtype_name(kv_cache_dtype, key.dtype)}",
                    lambda: _write_cost(slot_mapping, 2 * num_kv_heads * head_size, key.itemsize, key_cache.itemsize)):
@@ -188,7 +197,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     with op_launch(xp, "reshape_and_cache", lambda: f"t={num_tokens} h={num_kv_heads} d={head_size} bs={block_size} "
                    f"{kv_dtype_name(kv_cache_dtype, key.dtype)}", lambda: _write_cost(slot_mapping, 2 * num_kv_heads * head_size,
                                                                            key.itemsize, key_cache.itemsize)):
-        kernel((num_tokens,), (_THREADS,),
+        kernel((num_tokens,), (_threads(),),
                (key, value, key_cache, value_cache, slot_mapping, *scales,
                 *(np.int64(s) for s in kv_strides + kc + vc), np.int32(num_kv_heads), np.int32(head_size),
                 np.int32(block_size)))
@@ -229,7 +238,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     with op_launch(xp, "concat_and_cache_mla", lambda: f"t={num_tokens} rank={kv_lora_rank} rope={rope_dim} "
                    f"bs={block_size} {kv_dtype_name(kv_cache_dtype, kv_c.dtype)}",
                    lambda: _write_cost(slot_mapping, kv_lora_rank + rope_dim, kv_c.itemsize, kv_cache.itemsize)):
-        kernel((num_tokens,), (_THREADS,),
+        kernel((num_tokens,), (_threads(),),
                (kv_c, k_pe, kv_cache, slot_mapping, ptr, value, *(np.int64(s) for s in strides),
                 np.int32(kv_lora_rank), np.int32(rope_dim), np.int32(block_size)))
 

@@ -31,6 +31,8 @@
 
 namespace cupaged {
 
+constexpr int CACHE_GATHER_THREADS = 256;  // per CTA (the launcher reads it from here)
+
 // One cache row [entry_size] dequantized into dst's type.
 template <int KV, class OutT, class CacheT>
 __device__ __forceinline__ void gather_row(OutT* dst, const CacheT* src, int entry_size, float scale) {
@@ -38,7 +40,7 @@ __device__ __forceinline__ void gather_row(OutT* dst, const CacheT* src, int ent
 }
 
 template <class OutT, int KV>
-__global__ void __launch_bounds__(256) gather_and_maybe_dequant_cache_kernel(
+__global__ void __launch_bounds__(CACHE_GATHER_THREADS) gather_and_maybe_dequant_cache_kernel(
     const typename CacheType<KV, OutT>::type* __restrict__ src_cache,  // [num_blocks, block_size, entry_size]
     OutT* __restrict__ dst,                 // [>= num_tokens, entry_size]
     const int* __restrict__ block_table,    // [batch, max_blocks_per_seq]
@@ -63,7 +65,7 @@ __global__ void __launch_bounds__(256) gather_and_maybe_dequant_cache_kernel(
 // Raw copies move WORD-byte words (16 when every block, row and address allows it, else 1):
 // the element type does not matter, so void pointers keep one instantiation per word size.
 template <int WORD>
-__global__ void __launch_bounds__(256) cp_gather_cache_kernel(
+__global__ void __launch_bounds__(CACHE_GATHER_THREADS) cp_gather_cache_kernel(
     const void* __restrict__ src_cache,     // [num_blocks, block_size, entry...]
     void* __restrict__ dst,                 // [total_tokens, entry...]
     const int* __restrict__ block_table,    // [batch, max_blocks_per_seq]
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(256) cp_gather_cache_kernel(
 }
 
 template <int WORD>
-__global__ void __launch_bounds__(256) copy_blocks_kernel(
+__global__ void __launch_bounds__(CACHE_GATHER_THREADS) copy_blocks_kernel(
     void* __restrict__ cache,               // [num_blocks, ...]: each block block_words contiguous words
     const long long* __restrict__ block_mapping,  // [num_pairs, 2] (src, dst)
     long long block_stride, long long block_words) {  // in words

@@ -31,8 +31,10 @@
 
 namespace cupaged {
 
+constexpr int CACHE_OPS_THREADS = 256;  // per CTA (the launcher reads it from here)
+
 template <class T, int KV, class SlotT, int VEC>
-__global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
+__global__ void __launch_bounds__(CACHE_OPS_THREADS) reshape_and_cache_flash_kernel(
     const T* __restrict__ key,              // [num_tokens, num_kv_heads, head_size]
     const T* __restrict__ value,            // [num_tokens, num_kv_heads, head_size]
     typename CacheType<KV, T>::type* __restrict__ key_cache,    // NHD or HND, see strides
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(256) reshape_and_cache_flash_kernel(
 
 // (256, 1): without a minimum-blocks hint ptxas for sm_90 caps this kernel at 32 registers and spills.
 template <class T, int KV, class SlotT, bool VEC>
-__global__ void __launch_bounds__(256, 1) reshape_and_cache_kernel(
+__global__ void __launch_bounds__(CACHE_OPS_THREADS, 1) reshape_and_cache_kernel(
     const T* __restrict__ key,              // [num_tokens, num_kv_heads, head_size]
     const T* __restrict__ value,            // [num_tokens, num_kv_heads, head_size]
     typename CacheType<KV, T>::type* __restrict__ key_cache,    // [num_blocks, num_kv_heads, head_size/x, block_size, x]
@@ -98,7 +100,7 @@ __global__ void __launch_bounds__(256, 1) reshape_and_cache_kernel(
 }
 
 template <class T, int KV, class SlotT>
-__global__ void __launch_bounds__(256) concat_and_cache_mla_kernel(
+__global__ void __launch_bounds__(CACHE_OPS_THREADS) concat_and_cache_mla_kernel(
     const T* __restrict__ kv_c,             // [num_tokens, kv_lora_rank]
     const T* __restrict__ k_pe,             // [num_tokens, rope_dim]
     typename CacheType<KV, T>::type* __restrict__ kv_cache,  // [num_blocks, block_size, kv_lora_rank + rope_dim]

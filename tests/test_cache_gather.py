@@ -60,7 +60,8 @@ def gather_case(backend, launched, *, dtype, kv_cache_dtype, seq_starts, block_s
     cupaged.gather_and_maybe_dequant_cache(kv.key_cache, dst, kv.block_tables, backend.asarray(cu),
                                            backend.asarray(token_to_seq), num_tokens + 3, kv_cache_dtype, scale,
                                            None if starts is None else backend.asarray(starts), validate=True)
-    assert launched[-1][1] == str({"auto": 0, "fp8": 1, "fp8_e5m2": 2}[kv_cache_dtype])
+    assert launched[-1][1] == {"auto": "cupaged::KV_AUTO", "fp8": "cupaged::KV_E4M3",
+                               "fp8_e5m2": "cupaged::KV_E5M2"}[kv_cache_dtype]
     cache, table = backend.to_numpy(kv.key_cache), backend.to_numpy(kv.block_tables)
     ref = reference.gather_and_maybe_dequant_cache(cache, dst0, table, cu, token_to_seq, num_tokens + 3, kv_cache_dtype,
                                                    scale, starts)

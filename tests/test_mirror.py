@@ -39,9 +39,14 @@ def test_probe_compiles_under_nvrtc():
 
 
 def test_constants_come_from_the_kernel_source():
+    from cupaged import cache_gather, cache_ops
+
     c = attention.kernel_constants()
     for name, value in c.items():
         assert f"constexpr int {name} = {value};" in attention.FAMILY.source
+    for module, name in ((cache_ops, "CACHE_OPS_THREADS"), (cache_gather, "CACHE_GATHER_THREADS")):
+        assert f"constexpr int {name} = {module._threads()};" in module.FAMILY.source
+        assert f"__launch_bounds__({name}" in module.FAMILY.source
 
 
 def test_struct_parser_on_a_hand_made_struct():
