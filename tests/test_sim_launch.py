@@ -297,3 +297,21 @@ def test_paged_attention_is_charged_its_own_static_shared_memory():
     family = next(f for f in _runtime.families() if f.stem == "paged_attention")
     mod = _runtime.sim_module(family.source, family.options, family.name_expressions, None)
     assert max(mod.static_shared_bytes.values()) <= 1024  # 524 B today; the module's sum is ~19 KB
+
+
+def test_static_shared_memory_of_kernels_named_by_enumerators():
+    """A name expression may pass an enumerator as an int template argument; each kernel is charged
+    its own arrays (the enumerator names once left every kernel charged the module's sum)."""
+    src = r"""
+namespace ns {
+enum Kind { A = 0, B = 5 };
+template <int K> __global__ void k(float* out) {
+  __shared__ float buf[64 + K];
+  buf[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = buf[threadIdx.x];
+}
+}  // namespace ns
+"""
+    mod = sim.RawModule(code=src, options=("-std=c++17",), name_expressions=("ns::k<ns::A>", "ns::k<ns::B>"))
+    assert mod.static_shared_bytes == {"ns::k<ns::A>": 4 * 64, "ns::k<ns::B>": 4 * 69}

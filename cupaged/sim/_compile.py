@@ -121,11 +121,12 @@ def compiler() -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _shim_text() -> str:
-    """For the cache key: every file of the sim's include directory (subdirectories too) and the
-    inline-asm rewriter's modules, whose translation is compiled into the objects."""
+    """For the cache key: every file of the sim's include directory (subdirectories too), the
+    inline-asm rewriter's modules, whose translation is compiled into the objects, and _smem.py,
+    whose per-kernel static shared memory is cached beside them."""
     here = os.path.dirname(os.path.abspath(__file__))
     paths = [os.path.join(root, name) for root, dirs, files in sorted(os.walk(INCLUDE_DIR)) for name in sorted(files)]
-    paths += [os.path.join(here, name) for name in ("_asm.py", "_ptx.py", "_ptx_base.py", "_ptx_memory.py")]
+    paths += [os.path.join(here, name) for name in ("_asm.py", "_ptx.py", "_ptx_base.py", "_ptx_memory.py", "_smem.py")]
     parts = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -232,7 +233,7 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc, profile=False):
     else:
         _run([cxx, *flags, "-x", "c++", "-c", src, "-o", obj], "compiling the kernel source for the sim")
     aliases, symbols = _tls_symbols(cxx, obj)
-    static_smem = static_per_kernel(symbols, names)
+    static_smem = static_per_kernel(symbols, names, code)
     asm = os.path.join(tmp, "smem.s")
     with open(asm, "w") as f:
         f.write(_smem_asm(aliases))

@@ -41,8 +41,32 @@ def _owner(demangled: str) -> str | None:
     return None
 
 
-def static_per_kernel(symbols: dict[str, int], names) -> dict[str, int]:
-    """Bytes of static shared memory each kernel (name expression or extern "C" name) is charged."""
+_ENUM = re.compile(r"\benum\s+(?:class\s+|struct\s+)?\w*\s*(?::\s*[\w\s]+)?\{([^{}]*)\}")
+
+
+def _enumerators(code: str) -> dict[str, int]:
+    """Enumerator -> value of the source's plain enums (a name expression may name a template
+    argument ``cupaged::KV_E4M3``; the demangler prints the int parameter's value, 1)."""
+    values = {}
+    for m in _ENUM.finditer(code):
+        nxt = 0
+        for item in filter(None, (i.strip() for i in m.group(1).split(","))):
+            name, _, value = (p.strip() for p in item.partition("="))
+            nxt = int(value, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", value) else nxt
+            values[name] = nxt
+            nxt += 1
+    return values
+
+
+def _with_values(name: str, enums: dict[str, int]) -> str:
+    return re.sub(r"(?:\b[A-Za-z_]\w*::)*\b([A-Za-z_]\w*)\b(?![\w:<(])",
+                  lambda m: str(enums[m.group(1)]) if m.group(1) in enums and "::" in m.group(0) or
+                  m.group(0) in enums else m.group(0), name)
+
+
+def static_per_kernel(symbols: dict[str, int], names, code: str = "") -> dict[str, int]:
+    """Bytes of static shared memory each kernel (name expression or extern "C" name) is charged;
+    ``code``: the source, whose enumerators a name expression may use as template arguments."""
     if not symbols:
         return {n: 0 for n in names}
     tool = shutil.which("c++filt")
@@ -50,7 +74,8 @@ def static_per_kernel(symbols: dict[str, int], names) -> dict[str, int]:
     if tool:
         out = subprocess.run([tool], input="\n".join(symbols), capture_output=True, text=True).stdout.splitlines()
         demangled = out if len(out) == len(symbols) else demangled
-    wanted = {_normalized(n): n for n in names}
+    enums = _enumerators(code)
+    wanted = {_normalized(_with_values(n, enums)): n for n in names}
     everyone, own = 0, {n: 0 for n in names}
     for sym, text in zip(symbols, demangled):
         owner = _owner(text) if tool else None
