@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._backend import empty, host_copy, module_of
+from cupaged._backend import array_kind, empty, host_copy, module_of
 from cupaged._cache_args import cache_dtype, check_index
 from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_float, check_last_contiguous, \
     check_ndim, element_strides
@@ -103,8 +103,8 @@ def check_head_vector(name, a, num_heads, xp):
     """None, or float32 [num_heads] (a numpy array beside cupy data is uploaded)."""
     if a is None:
         return None
-    module = type(a).__module__.split(".")[0]
-    if module not in ("numpy", "cupy") or not hasattr(a, "dtype"):
+    module = array_kind(a)
+    if module is None:
         raise TypeError(f"{name} must be a float32 array [num_heads], got {type(a).__name__}")
     if a.dtype != np.float32:
         raise TypeError(f"{name} must be float32, got {a.dtype}")

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["array_module", "module_of", "is_device_array", "empty", "upload", "host_copy", "struct_arg",
+__all__ = ["array_module", "array_kind", "module_of", "is_device_array", "empty", "upload", "host_copy", "struct_arg",
            "gpu_module", "sm_count"]
 
 NOMINAL_SMS = 132  # H100/H200: what the sim sizes grids for
@@ -24,6 +24,13 @@ def _cupy():
 def is_device_array(a) -> bool:
     cupy = _cupy()
     return cupy is not None and isinstance(a, cupy.ndarray)
+
+
+def array_kind(a) -> str | None:
+    """"numpy" for a numpy array or scalar, "cupy" for a cupy array, None for anything else."""
+    if isinstance(a, (np.ndarray, np.generic)):
+        return "numpy"
+    return "cupy" if is_device_array(a) else None
 
 
 def module_of(a):

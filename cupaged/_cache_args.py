@@ -6,7 +6,7 @@ import numbers
 
 import numpy as np
 
-from cupaged._backend import host_copy
+from cupaged._backend import array_kind, host_copy, upload
 from cupaged._checks import CTYPE, FLOAT_DTYPES, check_choice, check_dtype, check_ndim
 
 __all__ = ["KV_CACHE_DTYPES", "KV_CODE", "KV_KINDS", "kv_dtype_name", "cache_dtype", "scale_args", "kv_scale_args", "check_slot_mapping", "check_index",
@@ -48,8 +48,8 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     A numpy scale array beside cupy data is uploaded. Scales are ignored for "auto".
     """
     number = isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_))
-    module = type(scale).__module__.split(".")[0]
-    if not number and (module not in ("numpy", "cupy") or not hasattr(scale, "dtype")):
+    module = array_kind(scale)
+    if not number and module is None:
         raise TypeError(f"{name} must be a float or a float32 array, got {type(scale).__name__} {scale!r}")
     if kv_cache_dtype == "auto":
         return None, np.float32(1.0), np.int32(0)
@@ -67,7 +67,7 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     if module == "cupy" and xp is np:
         raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
     if module == "numpy" and xp is not np:
-        scale = xp.asarray(scale)
+        scale = upload(xp, scale)
     elif module == "numpy":
         scale = np.ascontiguousarray(scale)
     return scale.reshape(-1), np.float32(1.0), np.int32(scale.size > 1)

@@ -13,7 +13,7 @@ from cupaged._cache_args import KV_CODE, KV_KINDS, cache_dtype, check_index, che
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
     check_writable, element_strides, validate_enabled
 from cupaged._cost import Cost
-from cupaged._backend import array_module, host_copy
+from cupaged._backend import array_kind, array_module, host_copy
 from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
 
@@ -243,7 +243,7 @@ def swap_blocks(src, dst, block_mapping):
     caches of the same block shape and dtype: host <-> device with numpy/cupy pairs on a GPU,
     numpy <-> numpy on the sim. The mapping is read on the host."""
     for name, a in (("src", src), ("dst", dst)):
-        if type(a).__module__.split(".")[0] not in ("numpy", "cupy") or not hasattr(a, "ndim"):
+        if array_kind(a) is None:
             raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
         if a.ndim < 2:
             raise ValueError(f"{name} must be [num_blocks, ...], got shape {tuple(a.shape)}")

@@ -15,13 +15,13 @@ import numpy as np
 from cupaged._annotate import op_launch
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
     check_writable, element_strides
-from cupaged._cost import Cost
 from cupaged._backend import array_module
+from cupaged._cost import Cost
+from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
 
 __all__ = ["merge_attn_states"]
 
-_THREADS = 256  # per CTA; kernels_cu/merge_attn_states.cu's __launch_bounds__
 
 
 def _kernel(ctype: str, vec: bool) -> str:
@@ -143,8 +143,9 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     pack = 16 // output.itemsize
     vec = all(address(a) % 16 == 0 for a in (output, prefix_output, suffix_output)) and \
         all(s % pack == 0 for s in strides)
-    threads_per_row = min(head_size // pack, _THREADS)
-    rows_per_cta = _THREADS // threads_per_row
+    threads = constants(FAMILY.source, "MERGE_THREADS")["MERGE_THREADS"]  # per CTA, the kernel's __launch_bounds__
+    threads_per_row = min(head_size // pack, threads)
+    rows_per_cta = threads // threads_per_row
     kernel = FAMILY.function(_kernel(CTYPE[output.dtype], vec), xp)
 
     def cost():  # both partial outputs and LSEs read, the output (and its LSE) written: a pure stream

@@ -9,7 +9,7 @@ from cupaged._attention_args import check_out, check_q, check_tables, validate_o
 from cupaged._cache_args import cache_dtype, check_index, check_scale_values, scale_args
 from cupaged._checks import check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
     check_optional_int, check_writable, validate_enabled
-from cupaged._backend import array_module, empty, host_copy, module_of
+from cupaged._backend import array_kind, array_module, empty, host_copy, module_of
 from cupaged.attention import MLA_BUCKET, KvView, plan_attention, run_attention
 from cupaged.cache_gather import gather_and_maybe_dequant_cache
 from cupaged.merge_attn_states import merge_attn_states
@@ -145,7 +145,7 @@ def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqle
     if batch < 0 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must have one row per sequence (batch = len(cu_seqlens_q) - 1 = {batch}), "
                          f"got {block_tables.shape[0]}")
-    if type(context_lens).__module__.split(".")[0] not in ("numpy", "cupy", "builtins"):
+    if array_kind(context_lens) is None and not isinstance(context_lens, (list, tuple)):
         raise TypeError(f"context_lens must be a host int array or list, got {type(context_lens).__name__}")
     contexts = np.asarray(host_copy(context_lens))
     if contexts.dtype.kind not in "iu" and contexts.size:

@@ -33,6 +33,8 @@
 
 namespace cupaged {
 
+constexpr int MERGE_THREADS = 256;  // per CTA (the launcher reads it from here)
+
 // One 16-byte pack of T: a single vector access when VEC, else PACK scalar accesses.
 template <class T, bool VEC>
 __device__ __forceinline__ Vec<T, int(16 / sizeof(T))> load_pack(const T* p) {
@@ -60,7 +62,7 @@ __device__ __forceinline__ void store_pack(T* p, const Vec<T, int(16 / sizeof(T)
 
 // blockDim = (threads per row, rows per CTA); rows are (token, head) pairs, head fastest.
 template <class T, bool VEC>
-__global__ void __launch_bounds__(256) merge_attn_states_kernel(
+__global__ void __launch_bounds__(MERGE_THREADS) merge_attn_states_kernel(
     T* output,                            // [num_tokens, num_heads, head_size]
     float* output_lse,                    // [num_heads, num_tokens] or nullptr
     const T* prefix_output,               // [num_tokens, num_heads, head_size]

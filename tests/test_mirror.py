@@ -3,6 +3,8 @@ compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field and
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -41,12 +43,16 @@ def test_probe_compiles_under_nvrtc():
 def test_constants_come_from_the_kernel_source():
     from cupaged import cache_gather, cache_ops
 
+    merge_attn_states = importlib.import_module("cupaged.merge_attn_states")  # (the package exports the function)
+
     c = attention.kernel_constants()
     for name, value in c.items():
         assert f"constexpr int {name} = {value};" in attention.FAMILY.source
     for module, name in ((cache_ops, "CACHE_OPS_THREADS"), (cache_gather, "CACHE_GATHER_THREADS")):
         assert f"constexpr int {name} = {module._threads()};" in module.FAMILY.source
         assert f"__launch_bounds__({name}" in module.FAMILY.source
+    assert "__launch_bounds__(MERGE_THREADS)" in merge_attn_states.FAMILY.source
+    assert constants(merge_attn_states.FAMILY.source, "MERGE_THREADS") == {"MERGE_THREADS": 256}
 
 
 def test_struct_parser_on_a_hand_made_struct():
