@@ -6,10 +6,9 @@ prints one table, and exits with status 1 on any compile error or register spill
 must compile for both architectures without spills. Progress goes to stderr as each (family, arch)
 finishes: a bar on a terminal, one line each otherwise.
 
-Results are cached per (family, arch) in the ``resources`` directory of the per-user cache
-(``cupaged/sim/_cache.py``), keyed by the source, options, name expressions, arch, the NVRTC
-version, its header directories and the text of this module and ``_nvrtc.py`` (the compile flags,
-the log parser and the record format); ``--no-cache`` recompiles and stores fresh results.
+Results are cached per (family, arch) in the per-user cache (``cupaged/_resource_cache.py``: keyed
+by the source, options, name expressions, arch, NVRTC and its headers, and the compile flags, log
+parser and record format); ``--no-cache`` recompiles and stores fresh results.
 Compile errors are never cached.
 
 The numbers are ptxas's own: NVRTC 13 passes ``-Xptxas=-v`` through and ptxas's verbose report
@@ -24,21 +23,15 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
-import functools
-import hashlib
-import json
 import multiprocessing
 import os
 import re
 import sys
 import time
 
-from cupaged import _nvrtc
-from cupaged._cuda_paths import cuda_include_dirs
 from cupaged._nvrtc import NvrtcError, compile_cubin
+from cupaged._resource_cache import KernelResources, cache_path, load, store
 from cupaged._runtime import quiet
-from cupaged.sim._cache import cache_dir, usable, write_private
 
 __all__ = ["ARCHS", "KernelResources", "compile_resources", "compile_families",
            "kernel_resources", "run_gate", "main"]
@@ -51,25 +44,6 @@ _PROPERTIES = re.compile(r"Function properties for (\S+)\s*\n\s*ptxas\s*\.\s*(\d
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SHARED = re.compile(r"(\d+) bytes smem")
 _CUMULATIVE_STACK = re.compile(r"(\d+) bytes cumulative stack size")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelResources:
-    """ptxas's statistics for one kernel compiled for one architecture (sizes in bytes)."""
-
-    family: str
-    name_expression: str  # as launched; the mangled name for a kernel no name expression names
-    arch: str
-    registers: int        # per thread
-    spill_stores: int     # the kernel and the device functions it calls
-    spill_loads: int
-    shared_bytes: int     # static __shared__ only; dynamic shared memory is a launch parameter
-    stack_bytes: int      # local memory per thread, callees included: local arrays and spills
-    mangled_name: str
-
-    @property
-    def spills(self) -> bool:
-        return self.spill_stores > 0 or self.spill_loads > 0
 
 
 def _parse_ptxas_log(log: str, arch: str) -> dict[str, tuple[int, int, int, int, int]]:
@@ -124,29 +98,6 @@ def _task(stem, source, names, options, arch):
     except NvrtcError as err:
         outcome = err
     return outcome, time.perf_counter() - start
-
-
-@functools.lru_cache(maxsize=None)
-def _code_version() -> str:
-    text = "".join(open(path, encoding="utf-8").read() for path in (__file__, _nvrtc.__file__))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _cache_path(stem, source, names, options, arch) -> str:
-    key = "\0".join([source, *options, "|", *names, "|", arch, repr(_nvrtc.version()), *cuda_include_dirs(),
-                     _code_version()])
-    return os.path.join(cache_dir("resources"), f"{stem}-{arch}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json")
-
-
-def _load(path):
-    """Cached records, or None (missing, not ours, or unreadable: then recompiled and replaced)."""
-    if not usable(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return [KernelResources(**r) for r in json.load(f)]
-    except (ValueError, TypeError):
-        return None
 
 
 class _Progress:
@@ -212,8 +163,8 @@ def _compile(families, archs, jobs, cache, progress):
     tasks = [(f.stem, f.source, tuple(f.name_expressions), tuple(f.options), arch)
              for f in _select(families) for arch in archs]
     tasks.sort(key=lambda t: -len(t[2]))  # big families first, for load balance
-    paths = {t: _cache_path(*t) for t in tasks}
-    cached = {t: hit for t in tasks if cache and (hit := _load(paths[t])) is not None}
+    paths = {t: cache_path(*t) for t in tasks}
+    cached = {t: hit for t in tasks if cache and (hit := load(paths[t])) is not None}
     todo = [t for t in tasks if t not in cached]
     jobs = max(1, min(jobs or _cpu_count(), len(todo)))
     report = _Progress(len(tasks), progress)
@@ -227,7 +178,7 @@ def _compile(families, archs, jobs, cache, progress):
         outcomes[(t[0], t[4])] = outcome
         failed = isinstance(outcome, NvrtcError)
         if not failed:
-            write_private(paths[t], json.dumps([dataclasses.asdict(r) for r in outcome]).encode())
+            store(paths[t], outcome)
         report.step(t[0], t[4], f"{'FAILED' if failed else 'done'} in {seconds:.1f} s")
 
     if jobs == 1:

@@ -53,14 +53,13 @@ class LaunchModel:
 
 def _resources(launch, arch: str) -> tuple[int, int]:
     """(registers per thread, static shared bytes) of the launched kernel, compiled for ``arch``."""
-    from cupaged import resources
-    from cupaged.sim._cache import write_private
+    from cupaged import _resource_cache, resources
 
-    path = resources._cache_path("launch", launch.source, (launch.kernel,), tuple(launch.options), arch)
-    records = resources._load(path)
+    path = _resource_cache.cache_path("launch", launch.source, (launch.kernel,), tuple(launch.options), arch)
+    records = _resource_cache.load(path)
     if records is None:
         records = resources.compile_resources(launch.source, [launch.kernel], arch, tuple(launch.options), "launch")
-        write_private(path, resources.json.dumps([dataclasses.asdict(r) for r in records]).encode())
+        _resource_cache.store(path, records)
     rec = next(r for r in records if r.name_expression == launch.kernel)
     return rec.registers, rec.shared_bytes
 
