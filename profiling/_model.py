@@ -34,10 +34,13 @@ def row(shape: dict, source: str, time_us: float, cost, **extra) -> dict:
     return out
 
 
-def project(shape: dict, run, cost, batch_factor: int, block_stride=(1, 1, 1), fallback_bytes=0) -> dict:
+def project(shape: dict, run, cost, batch_factor: int, block_stride=(1, 1, 1), fallback_bytes=0, warm=False) -> dict:
     """Profile ``run()`` (the subset) and model every launch over ``batch_factor`` times its CTAs.
     ``cost`` None: the launches' declared minimum bytes and FLOPs, scaled (``fallback_bytes`` when
-    no launch was declared)."""
+    no launch was declared). ``warm``: run once unprofiled first, every CTA, so a later launch (a
+    split merge) reads what the sampled launch's skipped CTAs would have written."""
+    if warm:
+        run()
     with profile(block_stride=block_stride) as prof:
         run()
     launches, total = [], 0.0

@@ -31,6 +31,7 @@ import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
 from cupaged.attention import choose_split, kernel_constants  # noqa: E402
+from cupaged.paged_attention import workspace_bytes  # noqa: E402
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
 DTYPES = {"fp16": (np.float16, "auto"), "bf16": (ml_dtypes.bfloat16, "auto"), "fp8_e4m3": (np.float16, "fp8_e4m3"),
@@ -54,9 +55,11 @@ def cost(s: dict):
 
 
 def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, head=HEAD, block=BLOCK,
-          kv_split_size=None):
+          kv_split_size=None, workspace=False):
     """A launch of ``num_seqs`` sequences of ``context`` tokens on ``device`` ("sim" or "cuda"): caches from
-    cupaged.testing.paged_kv (shuffled blocks, a last block's unused slots poisoned; fp8 at scale 0.1)."""
+    cupaged.testing.paged_kv (shuffled blocks, a last block's unused slots poisoned; fp8 at scale 0.1).
+    ``workspace``: the split partials live in one buffer across calls (a projection's warm-up run fills
+    the partials of the CTAs its profiled run skips, so the merge reads real ones)."""
     rng = np.random.default_rng(0)
     dtype, kv_cache_dtype = DTYPES[kv_dtype]
     kv = paged_kv(np.full(num_seqs, context), block_size=block, head_size=head, num_kv_heads=kv_heads, dtype=dtype,
@@ -69,6 +72,9 @@ def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, he
     qsl = None if q_len == 1 else xp.asarray((np.arange(num_seqs + 1) * q_len).astype(np.int32))
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)  # not kv: its host copy goes
     scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
+    if workspace:
+        splits = -(-context // kv_split_size)
+        scales["workspace"] = xp.zeros(workspace_bytes(num_seqs * q_len, kv_heads * gqa, splits, head), np.uint8)
 
     def run():
         cupaged.paged_attention(*args, kv_cache_dtype=kv_cache_dtype, **scales, max_query_len=q_len,
@@ -82,9 +88,10 @@ def project(s: dict, subset: int, block_stride) -> dict:
     gqa = s["num_heads"] // s["num_kv_heads"]
     tiles = -(-s["q_len"] * gqa // kernel_constants()["PA_ROWS"])
     split = choose_split(np, s["batch"] * s["num_kv_heads"] * tiles, s["context"]) or s["context"]
+    splits = split < s["context"]
     run = setup("sim", subset, s["context"], s["q_len"], gqa, s["kv_dtype"], s["num_kv_heads"], s["head_size"],
-                kv_split_size=split)
-    return _model.project(s, run, cost(s), s["batch"] // subset, block_stride)
+                kv_split_size=split, workspace=splits)
+    return _model.project(s, run, cost(s), s["batch"] // subset, block_stride, warm=splits)
 
 
 def model_shapes(sweep: bool):
