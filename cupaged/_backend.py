@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 __all__ = ["array_module", "array_kind", "module_of", "is_device_array", "empty", "upload", "host_copy", "struct_arg",
-           "gpu_module", "sm_count"]
+           "gpu_module", "sm_count", "device_shared_limit"]
 
 NOMINAL_SMS = 132  # H100/H200: what the sim sizes grids for
 
@@ -107,3 +107,10 @@ def gpu_module():
 def sm_count(xp) -> int:
     """The device's SMs (a nominal H200's on the sim, so grids are sized as on the GPU)."""
     return NOMINAL_SMS if xp is np else xp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def device_shared_limit(xp) -> tuple[int, str]:
+    """(the current device's opt-in shared memory per block in bytes, its name) for cupy."""
+    device = xp.cuda.Device()
+    name = xp.cuda.runtime.getDeviceProperties(device.id)["name"]
+    return device.attributes["MaxSharedMemoryPerBlockOptin"], name.decode() if isinstance(name, bytes) else name

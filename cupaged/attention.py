@@ -18,7 +18,7 @@ import numpy as np
 
 from cupaged._annotate import declare_launch, op_range
 from cupaged._attention_args import check_caches
-from cupaged._backend import empty, module_of, sm_count, struct_arg
+from cupaged._backend import device_shared_limit, empty, module_of, sm_count, struct_arg
 from cupaged._cache_args import KV_CODE, KV_KINDS, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, address, element_strides
 from cupaged._cost import attention_cost
@@ -194,6 +194,15 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
         reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None)
 
 
+def check_fits(plan: AttentionPlan, limit: int, device: str = "this GPU") -> None:
+    """The plan's dynamic shared memory against the device's opt-in limit per block: a clear error
+    before the launch (MLA's 576/512 tiles need ~113 KB; sm_86 / sm_89 allow 99 KB)."""
+    if plan.shared_mem > limit:
+        raise NotImplementedError(
+            f"{plan.kernel} needs {plan.shared_mem} bytes of shared memory per block; {device} allows {limit} "
+            f"(sm_80: 163 KB, sm_86/sm_89: 99 KB, sm_90: 227 KB): use a GPU with more shared memory per block")
+
+
 def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
     want = (plan.num_tokens, plan.num_heads, plan.head_size, plan.dtype, plan.num_kv_heads, plan.v_head_size, plan.kv)
     got = (*q.shape, CTYPE.get(np.dtype(q.dtype)), kv.num_kv_heads, kv.v_head_size,
@@ -229,6 +238,8 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
             kv_split_size=plan.kv_split_size, max_splits=plan.max_splits, tiles=plan.tiles, vec_k=int(kv.vec_k),
             vec_v=int(kv.vec_v), **kv.strides).items():
         p[name] = value
+    if xp is not np:
+        check_fits(plan, *device_shared_limit(xp))
     kernel = FAMILY.function(plan.kernel, xp)
     kernel.max_dynamic_shared_size_bytes = plan.shared_mem
 

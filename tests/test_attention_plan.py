@@ -87,3 +87,19 @@ def test_varlen_max_seqlen_k_is_a_grid_hint():
         out, lse = cupaged.varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_k=hint, return_lse=True)
         assert_close(out, ref_out, F16, "out")
         assert_close(lse, ref_lse, "lse", "lse")
+
+
+def test_a_plan_too_big_for_the_device_is_a_clear_error():
+    """MLA's 576/512 tiles need ~113 KB of shared memory per block: on an sm_86/sm_89 GPU (99 KB) the
+    launch would fail inside the driver; the engine says why first."""
+    from cupaged.attention import check_fits
+
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((4, 16, 576)).astype(F16)
+    q = rng.standard_normal((2, 16, 576)).astype(F16)
+    kv = cupaged.KvView.mla(cache, 512)
+    plan = cupaged.plan_attention(q, kv, np.zeros((2, 2), np.int32), np.array([20, 30], np.int32))
+    assert 99 * 1024 < plan.shared_mem <= 163 * 1024
+    check_fits(plan, 163 * 1024, "an A100")  # fits
+    with pytest.raises(NotImplementedError, match=r"needs \d+ bytes of shared memory per block; an RTX 4090 allows"):
+        check_fits(plan, 99 * 1024, "an RTX 4090")
