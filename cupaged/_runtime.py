@@ -141,23 +141,14 @@ def _sim_module(source, options, names, label, flags):
 def _cuda_module(device, source, options, names, label):
     import cupy
 
-    from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
+    from cupaged._cuda_paths import cupy_include_dirs
 
     with cupy.cuda.Device(device):
         major = cupy.cuda.runtime.runtimeGetVersion() // 1000
-        try:
-            includes = tuple(f"-I{d}" for d in matching_include_dirs(cuda_include_dirs(), major))
-        except CudaNotFoundError:
-            includes = ()
+        includes = tuple(f"-I{d}" for d in cupy_include_dirs(major))
         arch = f"sm_{cupy.cuda.Device(device).compute_capability}"
         with compile_notice(label, arch, "NVRTC", len(names), min_seconds=CUDA_NOTICE_S):
             module = cupy.RawModule(code=source, options=options + includes, name_expressions=names)
             module.compile()  # CuPy compiles lazily: here, inside the notice
         return module
 
-
-def matching_include_dirs(dirs, cuda_major: int) -> tuple[str, ...]:
-    """The header directories of pip wheels built for ``cuda_major`` (``.../nvidia/cu13/include``).
-    Headers of another CUDA major (the sim extra pins 13.x) would not match CuPy's NVRTC, and a
-    system toolkit's are CuPy's to find: CuPy locates the headers of its own CUDA itself."""
-    return tuple(d for d in dirs if f"cu{cuda_major}" in os.path.normpath(d).split(os.sep))

@@ -119,15 +119,6 @@ def test_struct_arg_for_each_backend(monkeypatch):
     assert struct_arg(value, sys.modules["cupy"]) == ("CPointer", value.ctypes.data)
 
 
-def test_cuda_path_passes_only_headers_of_cupys_cuda_major():
-    from cupaged._runtime import matching_include_dirs
-
-    dirs = ("/v/site-packages/nvidia/cu13/include", "/v/site-packages/nvidia/cu13/include/cccl",
-            "/usr/local/cuda/include")
-    assert matching_include_dirs(dirs, 13) == dirs[:2]
-    assert matching_include_dirs(dirs, 12) == ()
-
-
 def _tiny_family(tmp_path, monkeypatch, tag: str) -> KernelFamily:
     """A one-kernel family in a temporary kernels_cu (not registered); ``tag`` makes its source
     unique, so no module memoized by another test serves it."""
