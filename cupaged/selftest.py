@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from cupaged import reference
-from cupaged._backend import gpu_module
+from cupaged._backend import GpuUnavailableError, gpu_module, require_gpu
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_decode
 from cupaged.paged_attention import paged_attention
@@ -236,24 +236,24 @@ CASES = {
 }
 
 
-def _backend():
-    cupy = gpu_module()
-    if cupy is not None:
-        return "cuda", cupy.asarray
+def _backend(backend: str | None):
+    """(name, asarray) for ``backend``: "sim"; "cuda" (GpuUnavailableError when cupy cannot use the GPU,
+    never a quiet fall-back to the sim); None: the GPU when usable, else the sim (cupy installed but
+    unusable warns with the cause)."""
     from cupaged import sim
 
-    return "sim", sim.asarray
+    if backend == "sim":
+        return "sim", sim.asarray
+    cupy = require_gpu() if backend == "cuda" else gpu_module()
+    return ("cuda", cupy.asarray) if cupy is not None else ("sim", sim.asarray)
 
 
 def run(backend: str | None = None, out=None) -> int:
     out = out or sys.stdout
-    name, asarray = _backend()
-    if backend == "sim":
-        from cupaged import sim
-
-        name, asarray = "sim", sim.asarray
-    elif backend == "cuda" and name != "cuda":
-        print("selftest: --backend cuda needs cupy and a GPU", file=sys.stderr)
+    try:
+        name, asarray = _backend(backend)
+    except GpuUnavailableError as e:
+        print(f"selftest: --backend cuda cannot use the GPU: {e}", file=sys.stderr)
         return 2
     head = ("kernel", "backend", "max abs error", "tolerance", "ok")
     widths = (max(map(len, [head[0], *CASES])), max(len(head[1]), len(name)), len(head[2]), len(head[3]))

@@ -13,7 +13,8 @@ PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 NVL": 3900.0, "H100 PCIe"
 
 
 def gpu():
-    """cupy when a GPU is usable, else None."""
+    """cupy when a GPU is usable, else None; cupy installed but unusable warns (GpuUnavailableWarning)
+    with the cause, so a benchmark does not silently measure the sim."""
     from cupaged._backend import gpu_module
 
     return gpu_module()

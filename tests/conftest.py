@@ -3,25 +3,44 @@ cupaged.testing (docs/conventions.md §4)."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
 import pytest
 
-from cupaged import sim, testing
+from cupaged import _backend, sim, testing
 
 assert_close = testing.assert_close  # for the tests that import it from here
 
 
-@functools.lru_cache(maxsize=None)
 def gpu_available() -> bool:
-    try:
-        import cupy
+    """cupy sees a usable GPU (cupaged._backend.probe_gpu, memoized there)."""
+    return _backend.probe_gpu().cupy is not None
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver or no device: all mean "no GPU"
-        return False
+
+def pytest_addoption(parser):
+    parser.addoption("--backend", choices=("auto", "cuda"), default="auto",
+                     help="cuda: a test skipped for 'no GPU' fails, naming why cupy cannot use the GPU "
+                          "(also CUPAGED_REQUIRE_GPU=1); auto (default): such tests are skipped")
+
+
+def _require_gpu(config) -> bool:
+    return config.getoption("--backend") == "cuda" or os.environ.get("CUPAGED_REQUIRE_GPU", "0") not in ("", "0")
+
+
+def pytest_report_header(config):
+    if _require_gpu(config):
+        return f"cupaged GPU required: {_backend.probe_gpu().message()}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and "no GPU" in str(report.longrepr) and _require_gpu(item.config):
+        report.outcome = "failed"
+        report.longrepr = (f"skipped for 'no GPU' under --backend cuda / CUPAGED_REQUIRE_GPU=1: "
+                           f"{_backend.probe_gpu().message()}")
+    return report
 
 
 class Backend:

@@ -16,7 +16,8 @@ __all__ = ["BatchPlan", "PinnedStaging", "default_array_module"]
 
 
 def default_array_module():
-    """cupy when it imports and sees a device, else ``cupaged.sim`` (guarded numpy)."""
+    """cupy when it imports and sees a device, else ``cupaged.sim`` (guarded numpy); cupy installed
+    but unusable warns (GpuUnavailableWarning: cause, driver, extra to install) before the sim."""
     from cupaged import sim
 
     return gpu_module() or sim
