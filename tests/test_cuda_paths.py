@@ -9,12 +9,11 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import sys
-import types
 
 import pytest
 
 from cupaged import _runtime
+from tests import fake_cupy
 
 # Where each wheel puts its headers (checked against the wheels' RECORDs:
 # nvidia-cuda-runtime-cu12 12.9.79, nvidia-cuda-cccl-cu12 12.9.27, nvidia-cuda-runtime 13.0.96,
@@ -65,39 +64,8 @@ def nvidia_at(monkeypatch):
     return install
 
 
-def _fake_cupy(monkeypatch, cudart_version: int) -> list:
-    """A ``cupy`` whose RawModule records its options; returns the list they are appended to."""
-    seen = []
-    cupy = types.ModuleType("cupy")
-
-    class Device:
-        compute_capability = "90"
-
-        def __init__(self, device=None):
-            self.id = device or 0
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    class RawModule:
-        def __init__(self, code, options, name_expressions):
-            seen.append(options)
-
-        def compile(self):
-            pass
-
-    runtime = types.SimpleNamespace(runtimeGetVersion=lambda: cudart_version)
-    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=runtime)
-    cupy.RawModule = RawModule
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    return seen
-
-
 def _include_options(tmp_path, monkeypatch, cudart_version: int) -> list[str]:
-    seen = _fake_cupy(monkeypatch, cudart_version)
+    seen = fake_cupy.install(monkeypatch, cudart_version).options_seen
     source = f"// {tmp_path} {cudart_version}\n"  # unique: _cuda_module is memoized
     _runtime._cuda_module(0, source, ("-std=c++17",), ("k",), "test")
     return [o[2:] for o in seen[0] if o.startswith("-I")]

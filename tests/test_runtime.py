@@ -13,6 +13,7 @@ import pytest
 from cupaged import _runtime
 from cupaged._backend import array_module
 from cupaged._runtime import KernelFamily, families, kernels_dir
+from tests import fake_cupy
 
 
 def test_kernels_dir_holds_every_family_source():
@@ -149,34 +150,7 @@ def test_quiet_family_compile(tmp_path, monkeypatch, capfd):
 def test_cuda_compile_is_announced_only_when_slow(tmp_path, monkeypatch, capfd):
     """CuPy compiles lazily and caches on disk: the notice times RawModule.compile() and speaks
     only past CUDA_NOTICE_S (a fake cupy here: no GPU needed)."""
-    compiled = []
-
-    class Device:
-        id, compute_capability = 0, "90"
-
-        def __init__(self, device=0):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    class RawModule:
-        def __init__(self, code, options, name_expressions):
-            self.name_expressions = name_expressions
-
-        def compile(self):
-            compiled.append(self.name_expressions)
-
-        def get_function(self, name):
-            return ("kernel", name)
-
-    cupy = types.ModuleType("cupy")
-    cupy.RawModule = RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(runtimeGetVersion=lambda: 13000))
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    cupy = fake_cupy.install(monkeypatch)
     for tag, threshold, notice in (("fast", 1e9, False), ("slow", 1e-9, True)):
         fam = _tiny_family(tmp_path, monkeypatch, tag)
         monkeypatch.setattr(_runtime, "CUDA_NOTICE_S", threshold)
@@ -186,4 +160,4 @@ def test_cuda_compile_is_announced_only_when_slow(tmp_path, monkeypatch, capfd):
             assert re.fullmatch(r"cupaged: compiled kernels_cu/tiny\.cu for sm_90 \(NVRTC, 1 kernel\) in \d+\.\d s\n", err), err
         else:
             assert err == ""
-    assert compiled == [("k",), ("k",)]
+    assert cupy.compiled == [("k",), ("k",)]
