@@ -3,8 +3,9 @@
 A :class:`KernelFamily` is a ``kernels_cu/<stem>.cu`` file plus the C++ name expressions the
 package launches from it. Its source is read once, our own ``#include "x.cuh"`` lines are inlined
 (so CuPy's cache key covers the headers), and it is compiled for the backend of the data arrays:
-CuPy ``RawModule`` (NVRTC) for cupy arrays, :mod:`cupaged.sim` (g++) for numpy arrays. Modules are
-memoized per (device, source, options, name expressions). Both launchers share CuPy's call
+CuPy ``RawModule`` (NVRTC) for cupy arrays, one instantiation at a time on first use, memoized per
+(device, source, options, name expression); :mod:`cupaged.sim` (g++) for numpy arrays, the whole
+family in one module, memoized per (source, options, build mode). Both launchers share CuPy's call
 convention ``kernel(grid, block, args, shared_mem=n)``; launches go to CuPy's current stream and
 never synchronize.
 
@@ -82,10 +83,9 @@ class KernelFamily:
         if name not in self.name_expressions:
             raise KeyError(f"{name!r} is not a name expression of kernels_cu/{self.stem}.cu")
         label = f"kernels_cu/{self.stem}.cu"
-        if xp is np:
+        if xp is np:  # the sim builds the family once: one g++ object serves every instantiation
             return sim_module(self.source, self.options, self.name_expressions, label).get_function(name)
-        device = xp.cuda.Device().id
-        return _cuda_module(device, self.source, self.options, self.name_expressions, label).get_function(name)
+        return _cuda_kernel(xp.cuda.Device().id, self.source, self.options, name, label)
 
 
 def families() -> list[KernelFamily]:
@@ -135,6 +135,14 @@ def _sim_module(source, options, names, label, flags):
     from cupaged import sim
 
     return sim.RawModule(code=source, options=options, name_expressions=names, label=label)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_kernel(device, source, options, name, label):
+    """One instantiation, compiled on first use: NVRTC builds just that name expression (a family's
+    every instantiation in one program took 42-122 s on 2 cores), and the kernel object is reused
+    across calls."""
+    return _cuda_module(device, source, options, (name,), label).get_function(name)
 
 
 @functools.lru_cache(maxsize=None)
