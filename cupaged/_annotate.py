@@ -12,6 +12,10 @@ import contextlib
 import dataclasses
 import os
 
+import numpy as np
+
+from cupaged.sim import _profile
+
 __all__ = ["Declared", "op_range", "declare_launch", "op_launch", "nvtx_enabled"]
 
 
@@ -29,31 +33,26 @@ def nvtx_enabled() -> bool:
     return os.environ.get("CUPAGED_NVTX", "0") == "1"
 
 
-@contextlib.contextmanager
+_OFF = contextlib.nullcontext()
+
+
 def op_range(op: str, label):
     """An NVTX range ``cupaged.<op> <label()>`` around an op's launches when CUPAGED_NVTX=1 (a
     missing nvtx package turns it into a no-op, as some GPU images lack it)."""
     if not nvtx_enabled():
-        yield
-        return
+        return _OFF
     try:
         import nvtx
     except ImportError:
-        yield
-        return
-    with nvtx.annotate(f"cupaged.{op} {label()}"):
-        yield
+        return _OFF
+    return nvtx.annotate(f"cupaged.{op} {label()}")
 
 
 def declare_launch(xp, op: str, label, cost):
     """A context around an op's main launch: under a sim profile, the launch records
     ``Declared(op, label(), cost().min_bytes, cost().flops)``; otherwise a no-op."""
-    import numpy as np
-
-    from cupaged.sim import _profile
-
     if xp is not np or not _profile.active():
-        return contextlib.nullcontext()
+        return _OFF
     c = cost()
     return _profile.declare(Declared(op, label(), int(c.min_bytes), int(c.flops)))
 

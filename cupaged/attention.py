@@ -13,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import numpy as np
 
 from cupaged._annotate import declare_launch, op_range
-from cupaged._attention_args import check_caches
 from cupaged._backend import device_shared_limit, empty, module_of, sm_count, struct_arg
 from cupaged._cache_args import KV_CODE, KV_KINDS, kv_dtype_name, kv_scale_args
-from cupaged._checks import CTYPE, address, element_strides
+from cupaged._checks import CTYPE, element_strides
 from cupaged._cost import attention_cost
+from cupaged._kv_view import KvView
 from cupaged._mirror import constants, struct_dtype
 from cupaged._runtime import KernelFamily
 
@@ -59,6 +60,13 @@ def params_dtype() -> np.dtype:
     return struct_dtype(FAMILY.source, "PaParams")
 
 
+@functools.lru_cache(maxsize=None)
+def _params_packer():
+    """(PaParams' dtype, a getter of its fields' values in declaration order from a dict)."""
+    dtype = params_dtype()
+    return dtype, operator.itemgetter(*dtype.names)
+
+
 def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
     """Dynamic shared memory of the main kernel: PaSmem<HD, VHD, SHARED_KV>::FLOATS floats
     (tests/test_mirror.py checks it against the kernel's own figure)."""
@@ -66,56 +74,6 @@ def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
     rows, tile = c["PA_ROWS"], c["PA_TILE"]
     kv = tile * (hd + 1) + (0 if shared else tile * vhd)
     return 4 * (rows * hd + kv + rows * tile + 3 * rows)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class KvView:
-    """A K/V source for the attention kernel: its arrays, heads, sizes and address strides
-    (elements; see paged_attention.cu's header), and whether 16-byte loads are allowed."""
-
-    kind: str                  # "paged", "dense" (varlen rows) or "mla" (latent rows: value = a prefix)
-    key: object
-    value: object
-    kv_cache_dtype: str
-    num_kv_heads: int
-    head_size: int
-    v_head_size: int
-    block_size: int            # 1 for dense rows
-    strides: dict              # k_block_stride ... v_dim_stride, the PaParams fields
-    vec_k: bool
-    vec_v: bool
-
-    @classmethod
-    def paged(cls, key_cache, value_cache, q, kv_cache_dtype="auto", layout="NHD"):
-        """A paged cache in the flash NHD / HND or the vLLM layout (shapes and dtypes checked against q)."""
-        c = check_caches(key_cache, value_cache, q, kv_cache_dtype, layout,
-                         layouts=("vllm",) if layout == "vllm" else ("NHD", "HND"))
-        strides = {k: v for k, v in c.items() if k.startswith(("k_", "v_"))}
-        return cls("paged", key_cache, value_cache, kv_cache_dtype, c["kv_heads"], q.shape[2], q.shape[2],
-                   c["block_size"], strides, bool(c["vec_k"]), bool(c["vec_v"]))
-
-    @classmethod
-    def dense(cls, k, v):
-        """Varlen token rows: k ``[total_k, num_kv_heads, head_size]``, v ``[..., v_head_size]``."""
-        ks, vs = element_strides("k", k), element_strides("v", v)
-        x = 16 // k.itemsize
-        vec_k = address(k) % 16 == 0 and ks[0] % x == 0 and ks[1] % x == 0
-        vec_v = address(v) % 16 == 0 and vs[0] % x == 0 and vs[1] % x == 0
-        strides = dict(k_block_stride=0, k_head_stride=ks[1], k_chunk_stride=x, k_page_stride=ks[0],
-                       v_block_stride=0, v_head_stride=vs[1], v_page_stride=vs[0], v_dim_stride=1)
-        return cls("dense", k, v, "auto", k.shape[1], k.shape[2], v.shape[2], 1, strides, vec_k, vec_v)
-
-    @classmethod
-    def mla(cls, kv_cache, kv_lora_rank, kv_cache_dtype="auto"):
-        """A latent cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: the key is the whole row,
-        the value its first ``kv_lora_rank`` entries (one head shared by every query head)."""
-        s = element_strides("kv_cache", kv_cache)
-        x = 16 // kv_cache.itemsize
-        vec = address(kv_cache) % 16 == 0 and s[0] % x == 0 and s[1] % x == 0
-        strides = dict(k_block_stride=s[0], k_head_stride=0, k_chunk_stride=x, k_page_stride=s[1],
-                       v_block_stride=s[0], v_head_stride=0, v_page_stride=s[1], v_dim_stride=1)
-        return cls("mla", kv_cache, kv_cache, kv_cache_dtype, 1, kv_cache.shape[2], kv_lora_rank, kv_cache.shape[1],
-                   strides, vec, False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +145,7 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
     return AttentionPlan(
         op="mla_decode" if shared else "decode" if decode else "prefill", num_tokens=num_tokens, num_heads=num_heads,
         num_seqs=num_seqs, num_kv_heads=kv.num_kv_heads, head_size=head_size, v_head_size=kv.v_head_size, dtype=t,
-        kv=f"{kv.kind}:{kv.kv_cache_dtype}:{kv.block_size}", tiles=tiles, kv_split_size=split, max_splits=max_splits,
+        kv=kv.key_id, tiles=tiles, kv_split_size=split, max_splits=max_splits,
         always_partials=always_partials, grid=(tiles * max_splits, kv.num_kv_heads, num_seqs),
         threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
         kernel=_main(t, KV_CODE[kv.kv_cache_dtype], hd, vhd, shared),
@@ -203,10 +161,28 @@ def check_fits(plan: AttentionPlan, limit: int, device: str = "this GPU") -> Non
             f"(sm_80: 163 KB, sm_86/sm_89: 99 KB, sm_90: 227 KB): use a GPU with more shared memory per block")
 
 
+_OPTED_IN: dict = {}  # id(kernel) -> (kernel, bytes): the dynamic shared memory it was opted in for
+
+
+def _kernel(plan: AttentionPlan, xp):
+    """The plan's main kernel, opted in for its shared memory once (the attribute is a driver call on
+    a GPU), after checking that the device can give it."""
+    kernel = FAMILY.function(plan.kernel, xp)
+    opted = _OPTED_IN.get(id(kernel))
+    if opted is None or opted[1] < plan.shared_mem:
+        if xp is not np:
+            check_fits(plan, *device_shared_limit(xp))
+        kernel.max_dynamic_shared_size_bytes = plan.shared_mem
+        _OPTED_IN[id(kernel)] = (kernel, plan.shared_mem)
+    return kernel
+
+
 def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
+    if (q.shape, kv.key_id) == ((plan.num_tokens, plan.num_heads, plan.head_size), plan.kv) and \
+            CTYPE.get(q.dtype) == plan.dtype and (kv.num_kv_heads, kv.v_head_size) == (plan.num_kv_heads, plan.v_head_size):
+        return
     want = (plan.num_tokens, plan.num_heads, plan.head_size, plan.dtype, plan.num_kv_heads, plan.v_head_size, plan.kv)
-    got = (*q.shape, CTYPE.get(np.dtype(q.dtype)), kv.num_kv_heads, kv.v_head_size,
-           f"{kv.kind}:{kv.kv_cache_dtype}:{kv.block_size}")
+    got = (*q.shape, CTYPE.get(np.dtype(q.dtype)), kv.num_kv_heads, kv.v_head_size, kv.key_id)
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
 
@@ -221,27 +197,29 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
     _check_plan(plan, q, kv)
     xp = module_of(q)
     scale = 1.0 / math.sqrt(plan.head_size) if scale is None else scale
-    k_ptr, v_ptr, ksv, vsv, per_head = kv_scale_args(xp, kv.kv_cache_dtype, k_scale, v_scale, kv.num_kv_heads)
+    if kv.kv_cache_dtype == "auto":  # a cache of the data's own type ignores the scales
+        k_ptr = v_ptr = None
+        ksv = vsv = 1.0
+        per_head = 0
+    else:
+        k_ptr, v_ptr, ksv, vsv, per_head = kv_scale_args(xp, kv.kv_cache_dtype, k_scale, v_scale, kv.num_kv_heads)
     if partials is None and plan.partial_shapes is not None:
         partials = tuple(empty(xp, s, np.float32) for s in plan.partial_shapes)
     max_logits, exp_sums, tmp_output = partials or (None, None, None)
-    p = np.zeros((), params_dtype())
     qs, os_ = element_strides("q", q), element_strides("out", out)
-    for name, value in dict(
-            q_token_stride=qs[0], q_head_stride=qs[1], out_token_stride=os_[0], out_head_stride=os_[1],
-            table_stride=0 if block_tables is None else element_strides("block_tables", block_tables)[0],
-            scale=scale, softcap=softcap or 0.0, k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head,
-            causal=int(causal), window=sliding_window or 0, always_partials=int(plan.always_partials),
-            partials_in_out_type=int(tmp_output is not None and tmp_output.dtype != np.float32),
-            num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
-            head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
-            kv_split_size=plan.kv_split_size, max_splits=plan.max_splits, tiles=plan.tiles, vec_k=int(kv.vec_k),
-            vec_v=int(kv.vec_v), **kv.strides).items():
-        p[name] = value
-    if xp is not np:
-        check_fits(plan, *device_shared_limit(xp))
-    kernel = FAMILY.function(plan.kernel, xp)
-    kernel.max_dynamic_shared_size_bytes = plan.shared_mem
+    fields = dict(
+        q_token_stride=qs[0], q_head_stride=qs[1], out_token_stride=os_[0], out_head_stride=os_[1],
+        table_stride=0 if block_tables is None else element_strides("block_tables", block_tables)[0],
+        scale=scale, softcap=softcap or 0.0, k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head,
+        causal=int(causal), window=sliding_window or 0, always_partials=int(plan.always_partials),
+        partials_in_out_type=int(tmp_output is not None and tmp_output.dtype != np.float32),
+        num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
+        head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
+        kv_split_size=plan.kv_split_size, max_splits=plan.max_splits, tiles=plan.tiles, vec_k=int(kv.vec_k),
+        vec_v=int(kv.vec_v), **kv.strides)
+    dtype, pick = _params_packer()
+    p = np.array(pick(fields), dtype)  # struct PaParams, packed in one step
+    kernel = _kernel(plan, xp)
 
     def label():
         return (f"b={plan.num_seqs} t={plan.num_tokens} h={plan.num_heads}/{plan.num_kv_heads} d={plan.head_size} "

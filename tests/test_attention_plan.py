@@ -103,3 +103,31 @@ def test_a_plan_too_big_for_the_device_is_a_clear_error():
     check_fits(plan, 163 * 1024, "an A100")  # fits
     with pytest.raises(NotImplementedError, match=r"needs \d+ bytes of shared memory per block; an RTX 4090 allows"):
         check_fits(plan, 99 * 1024, "an RTX 4090")
+
+
+def test_the_kernel_is_opted_in_for_shared_memory_once(monkeypatch):
+    """The dynamic shared memory attribute is a driver call on a GPU: set once per kernel, not per call."""
+    from cupaged import attention
+
+    sets = []
+
+    class Counting:
+        def __init__(self, kernel):
+            object.__setattr__(self, "kernel", kernel)
+
+        def __setattr__(self, name, value):
+            sets.append((name, value))
+            setattr(self.kernel, name, value)
+
+        def __call__(self, *args, **kwargs):
+            return self.kernel(*args, **kwargs)
+
+    real = attention.FAMILY.function
+    wrapped = {}
+    monkeypatch.setattr(attention.FAMILY, "function", lambda name, xp: wrapped.setdefault(name, Counting(real(name, xp))))
+    monkeypatch.setattr(attention, "_OPTED_IN", {})
+    inputs, options, (ref_out, _) = build(dataclasses.replace(MIXED, seqs=((1, 300), (1, 90))))
+    for _ in range(3):
+        out = cupaged.paged_attention(**inputs, **options)
+        assert_close(out, ref_out, F16, "out")
+    assert sets == [("max_dynamic_shared_size_bytes", attention.smem_bytes(64, 64, False))]

@@ -1,0 +1,68 @@
+"""``KvView``: a K/V source of the attention engine (cupaged/attention.py): the arrays, heads, sizes,
+address strides (the PaParams fields k_block_stride ... v_dim_stride, in elements; see
+kernels_cu/paged_attention.cu's header) and whether 16-byte loads are allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from cupaged._attention_args import check_caches
+from cupaged._checks import address, element_strides
+
+__all__ = ["KvView"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KvView:
+    """A K/V source for the attention kernel: its arrays, heads, sizes and address strides
+    (elements; see paged_attention.cu's header), and whether 16-byte loads are allowed."""
+
+    kind: str                  # "paged", "dense" (varlen rows) or "mla" (latent rows: value = a prefix)
+    key: object
+    value: object
+    kv_cache_dtype: str
+    num_kv_heads: int
+    head_size: int
+    v_head_size: int
+    block_size: int            # 1 for dense rows
+    strides: dict              # k_block_stride ... v_dim_stride, the PaParams fields
+    vec_k: bool
+    vec_v: bool
+
+    @functools.cached_property
+    def key_id(self) -> str:
+        """What a plan made for this K/V depends on: its kind, cache dtype and block size."""
+        return f"{self.kind}:{self.kv_cache_dtype}:{self.block_size}"
+
+    @classmethod
+    def paged(cls, key_cache, value_cache, q, kv_cache_dtype="auto", layout="NHD"):
+        """A paged cache in the flash NHD / HND or the vLLM layout (shapes and dtypes checked against q)."""
+        c = check_caches(key_cache, value_cache, q, kv_cache_dtype, layout,
+                         layouts=("vllm",) if layout == "vllm" else ("NHD", "HND"))
+        strides = {k: v for k, v in c.items() if k.startswith(("k_", "v_"))}
+        return cls("paged", key_cache, value_cache, kv_cache_dtype, c["kv_heads"], q.shape[2], q.shape[2],
+                   c["block_size"], strides, bool(c["vec_k"]), bool(c["vec_v"]))
+
+    @classmethod
+    def dense(cls, k, v):
+        """Varlen token rows: k ``[total_k, num_kv_heads, head_size]``, v ``[..., v_head_size]``."""
+        ks, vs = element_strides("k", k), element_strides("v", v)
+        x = 16 // k.itemsize
+        vec_k = address(k) % 16 == 0 and ks[0] % x == 0 and ks[1] % x == 0
+        vec_v = address(v) % 16 == 0 and vs[0] % x == 0 and vs[1] % x == 0
+        strides = dict(k_block_stride=0, k_head_stride=ks[1], k_chunk_stride=x, k_page_stride=ks[0],
+                       v_block_stride=0, v_head_stride=vs[1], v_page_stride=vs[0], v_dim_stride=1)
+        return cls("dense", k, v, "auto", k.shape[1], k.shape[2], v.shape[2], 1, strides, vec_k, vec_v)
+
+    @classmethod
+    def mla(cls, kv_cache, kv_lora_rank, kv_cache_dtype="auto"):
+        """A latent cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: the key is the whole row,
+        the value its first ``kv_lora_rank`` entries (one head shared by every query head)."""
+        s = element_strides("kv_cache", kv_cache)
+        x = 16 // kv_cache.itemsize
+        vec = address(kv_cache) % 16 == 0 and s[0] % x == 0 and s[1] % x == 0
+        strides = dict(k_block_stride=s[0], k_head_stride=0, k_chunk_stride=x, k_page_stride=s[1],
+                       v_block_stride=s[0], v_head_stride=0, v_page_stride=s[1], v_dim_stride=1)
+        return cls("mla", kv_cache, kv_cache, kv_cache_dtype, 1, kv_cache.shape[2], kv_lora_rank, kv_cache.shape[1],
+                   strides, vec, False)
