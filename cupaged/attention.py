@@ -178,11 +178,8 @@ def _kernel(plan: AttentionPlan, xp):
 
 
 def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
-    if (q.shape, kv.key_id) == ((plan.num_tokens, plan.num_heads, plan.head_size), plan.kv) and \
-            CTYPE.get(q.dtype) == plan.dtype and (kv.num_kv_heads, kv.v_head_size) == (plan.num_kv_heads, plan.v_head_size):
-        return
     want = (plan.num_tokens, plan.num_heads, plan.head_size, plan.dtype, plan.num_kv_heads, plan.v_head_size, plan.kv)
-    got = (*q.shape, CTYPE.get(np.dtype(q.dtype)), kv.num_kv_heads, kv.v_head_size, kv.key_id)
+    got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
 
