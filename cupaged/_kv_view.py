@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from cupaged._attention_args import check_caches
-from cupaged._checks import address, element_strides
+from cupaged._attention_args import _aligned, check_caches
+from cupaged._checks import element_strides
 
 __all__ = ["KvView"]
 
@@ -49,8 +49,7 @@ class KvView:
         """Varlen token rows: k ``[total_k, num_kv_heads, head_size]``, v ``[..., v_head_size]``."""
         ks, vs = element_strides("k", k), element_strides("v", v)
         x = 16 // k.itemsize
-        vec_k = address(k) % 16 == 0 and ks[0] % x == 0 and ks[1] % x == 0
-        vec_v = address(v) % 16 == 0 and vs[0] % x == 0 and vs[1] % x == 0
+        vec_k, vec_v = _aligned(k, ks[:2], x), _aligned(v, vs[:2], x)
         strides = dict(k_block_stride=0, k_head_stride=ks[1], k_chunk_stride=x, k_page_stride=ks[0],
                        v_block_stride=0, v_head_stride=vs[1], v_page_stride=vs[0], v_dim_stride=1)
         return cls("dense", k, v, "auto", k.shape[1], k.shape[2], v.shape[2], 1, strides, vec_k, vec_v)
@@ -61,7 +60,7 @@ class KvView:
         the value its first ``kv_lora_rank`` entries (one head shared by every query head)."""
         s = element_strides("kv_cache", kv_cache)
         x = 16 // kv_cache.itemsize
-        vec = address(kv_cache) % 16 == 0 and s[0] % x == 0 and s[1] % x == 0
+        vec = _aligned(kv_cache, s[:2], x)
         strides = dict(k_block_stride=s[0], k_head_stride=0, k_chunk_stride=x, k_page_stride=s[1],
                        v_block_stride=s[0], v_head_stride=0, v_page_stride=s[1], v_dim_stride=1)
         return cls("mla", kv_cache, kv_cache, kv_cache_dtype, 1, kv_cache.shape[2], kv_lora_rank, kv_cache.shape[1],

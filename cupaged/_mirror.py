@@ -8,6 +8,7 @@ field's ``offsetof`` and the ``sizeof`` and compares them with the numpy dtype).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -20,8 +21,10 @@ _TYPES = {"long long": np.int64, "unsigned long long": np.uint64, "int": np.int3
           "unsigned int": np.uint32, "float": np.float32, "double": np.float64}
 
 
+@functools.lru_cache(maxsize=None)
 def constants(source: str, *names: str) -> dict[str, int]:
-    """``constexpr int NAME = <integer>;`` of each name (a missing one is a KeyError naming it)."""
+    """``constexpr int NAME = <integer>;`` of each name (a missing one is a KeyError naming it);
+    memoized, so a launcher may ask on every call. Treat the result as read-only."""
     out = {}
     for name in names:
         m = re.search(r"\bconstexpr\s+int\s+" + re.escape(name) + r"\s*=\s*(\d+)\s*;", source)

@@ -143,8 +143,8 @@ def measured_rows(cp, quick):
         label = _model.label(s)
         with _bench.nvtx_range(label):
             ms = _bench.time_gpu(cp, run)
-        r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device,
-                       pct_of_copy_bw=100 * c.min_bytes / (np.median(ms) * 1e-3) / 1e9 / copy_gbps)
+        r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device)
+        r["pct_of_copy_bw"] = 100 * r["gbps"] / copy_gbps  # against this device's measured copy
         rows.append(r)
         table.append(_bench.summarize(label, "v1", ms, c.min_bytes, peak) +
                      (f"{r['pct_of_copy_bw']:.0f}%", f"{r['tflops']:.1f}"))

@@ -233,7 +233,7 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc, profile=False):
     else:
         _run([cxx, *flags, "-x", "c++", "-c", src, "-o", obj], "compiling the kernel source for the sim")
     aliases, symbols = _tls_symbols(cxx, obj)
-    static_smem = static_per_kernel(symbols, names, code)
+    static_smem = {} if profile else static_per_kernel(symbols, names, code)  # the plain build's serve both
     asm = os.path.join(tmp, "smem.s")
     with open(asm, "w") as f:
         f.write(_smem_asm(aliases))

@@ -40,15 +40,18 @@ class LaunchModel:
         """Distinct bytes moved / the op's declared minimum (1.0: every byte once)."""
         return self.unique_bytes / self.min_bytes if self.min_bytes else None
 
+    def _pct(self, bytes_per_s: float) -> float | None:
+        return None if self.min_bytes is None else 100 * self.min_bytes / (self.time_us * 1e-6) / bytes_per_s
+
     @property
     def pct_of_peak_bw(self) -> float | None:
         """The declared minimum bytes / modeled time, in % of HBM spec bandwidth."""
-        return None if self.min_bytes is None else 100 * self.min_bytes / (self.time_us * 1e-6) / _model.H200.hbm_bytes_per_s
+        return self._pct(_model.H200.hbm_bytes_per_s)
 
     @property
     def pct_of_copy_bw(self) -> float | None:
         """The same against the measured device-to-device copy bandwidth."""
-        return None if self.min_bytes is None else 100 * self.min_bytes / (self.time_us * 1e-6) / _model.H200.copy_bytes_per_s
+        return self._pct(_model.H200.copy_bytes_per_s)
 
 
 def _resources(launch, arch: str) -> tuple[int, int]:

@@ -89,21 +89,28 @@ class RawModule:
         names = list(self.name_expressions)
         # __launch_bounds__(...) may stand before or after `void` (CUTLASS puts it before): drop it
         # first, else its name was taken for the kernel's and the generated wrappers did not compile.
-        scan = re.sub(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)", " ", strip_comments(code))
+        text = strip_comments(code)
+        scan = re.sub(r"__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)", " ", text)
         for m in re.finditer(r'extern\s+"C"\s+__global__\s+(?:\w+\s+)*?(\w+)\s*\(', scan):
             if m.group(1) not in names:
                 names.append(m.group(1))
         self._names = names
         self._lib, static, self.tls_dyn_offset = _compile.build(code, self.options, names, label)
         self.static_shared_bytes = static  # per kernel name: what the GPU charges each kernel
-        self._bounds = launch_bounds(strip_comments(code))
+        self._bounds = launch_bounds(text)
         self._lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
         self._kernels = {}
-        self._label, self._profiled = label, None
+        self._label, self._profiled, self._launchers = label, None, {}
 
     def _variant(self, index: int, profiled: bool):
         """(library, launch function, dynamic shared offset) of kernel ``index`` in the plain build
-        or in the profiler's (compiled on first use)."""
+        or in the profiler's (compiled on first use); looked up once per (kernel, build)."""
+        key = (index, profiled)
+        if key not in self._launchers:
+            self._launchers[key] = self._lookup(index, profiled)
+        return self._launchers[key]
+
+    def _lookup(self, index: int, profiled: bool):
         if not profiled:
             lib, offset = self._lib, self.tls_dyn_offset
         else:

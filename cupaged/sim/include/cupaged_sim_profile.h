@@ -11,18 +11,18 @@
 // namespace cupaged_sim.
 #pragma once
 
-struct ProfArg {  // mirrored by ctypes in cupaged/sim/_profile.py
+struct ProfArg {  // mirrored by ctypes in cupaged/sim/_probe.py
   unsigned long long lo, hi;          // the argument's memory
   unsigned long long bytes_read, bytes_written, sectors_read, sectors_written;
   unsigned long long useful_read, useful_written;  // distinct bytes per warp-level instruction, summed
   unsigned long long* seen_read;      // bitmaps, one bit per byte of [lo, hi): touched by a read / write
   unsigned long long* seen_written;
 };
-struct ProfSite {  // mirrored by ctypes in cupaged/sim/_profile.py
+struct ProfSite {  // mirrored by ctypes in cupaged/sim/_probe.py
   const void* site;  // a return address in the code, or 2^63 + line (emulated PTX); null: an empty slot
   unsigned long long wavefronts, ideal_wavefronts;
 };
-struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/_profile.py
+struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/_probe.py
   int nargs;
   ProfArg* args;
   unsigned long long wavefronts, ideal_wavefronts, cp_async_bytes, mma_flops, max_inflight_bytes_per_cta;
