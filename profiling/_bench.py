@@ -91,27 +91,19 @@ def run_bandwidth_table(gpu_cases, sim_cases, model_cases=(), bench="", argv=Non
     the model cases' shapes; ``--model`` on the sim: the H200 model of each model case, (shape, make,
     full args, profiled args, batch factor): ``make(*profiled args)`` run, scaled by the factor (see
     profiling/_model.py); else a sim smoke run."""
-    import argparse
-
     import _model
 
     from cupaged import sim
     from cupaged._cost import Cost
 
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE ({'rows': [...]})")
-    parser.add_argument("--model", action="store_true", help="H200 model rows of the production shapes (sim)")
-    args = parser.parse_args(argv)
+    args = _model.bench_parser(doc).parse_args(argv)
     cp = gpu()
     rows = []
     if cp is None and args.model:
         for shape, make, _, subset, factor in model_cases:
             _, run, nbytes = make(np, sim.empty, *subset)
             rows.append(_model.project(shape, run, None, factor, fallback_bytes=nbytes * factor))
-        _model.store_model_rows(bench, rows)
-        _model.print_model_table(rows)
-        _model.write_json(args.json, rows, device="sim", model="H200")
+        _model.finish_model(bench, rows, args.json)
         return
     if cp is None:
         for make, cfg in sim_cases:
@@ -132,7 +124,4 @@ def run_bandwidth_table(gpu_cases, sim_cases, model_cases=(), bench="", argv=Non
         with nvtx_range(label):
             ms = time_gpu(cp, run)
         rows.append(_model.row(shape, "measured", float(np.median(ms)) * 1e3, Cost(nbytes, 0), device=device))
-    cached = _model.cached_model_rows(bench)
-    if cached:
-        _model.print_model_table(cached)
-    _model.write_json(args.json, rows + cached, device=device)
+    _model.finish_measured(bench, rows, args.json, device=device)

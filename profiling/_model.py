@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from cupaged._cost import Cost
 from cupaged.sim import _launch_model, profile
@@ -43,6 +44,7 @@ def project(shape: dict, run, cost, batch_factor: int, block_stride=(1, 1, 1), f
         run()
     with profile(block_stride=block_stride) as prof:
         run()
+    print(f"  modeling {label(shape)}", file=sys.stderr, flush=True)
     launches, total = [], 0.0
     for launch in prof.launches:
         m = _launch_model.model_of(launch, ctas=launch.ctas * batch_factor)
@@ -59,6 +61,32 @@ def project(shape: dict, run, cost, batch_factor: int, block_stride=(1, 1, 1), f
         cost = Cost(sum(x["min_bytes"] for x in declared) or fallback_bytes,
                     sum(m for x in declared if (m := x.get("flops")) is not None))
     return row(shape, "model", total, cost, launches=launches)
+
+
+def bench_parser(doc: str):
+    """A bench's command line: ``--json FILE`` and ``--model`` (callers may add their own)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE ({'rows': [...]})")
+    parser.add_argument("--model", action="store_true", help="H200 model rows of the production shapes (sim)")
+    return parser
+
+
+def finish_model(bench: str, rows, path) -> None:
+    """The end of a ``--model`` run: rows cached for a later GPU run, printed, written to ``path``."""
+    store_model_rows(bench, rows)
+    print_model_table(rows)
+    write_json(path, rows, device="sim", model="H200")
+
+
+def finish_measured(bench: str, rows, path, **meta) -> None:
+    """The end of a GPU run: the cached model rows printed beside, both written to ``path``."""
+    cached = cached_model_rows(bench)
+    if cached:
+        print_model_table(cached)
+    write_json(path, rows + cached, **meta)
 
 
 def label(r: dict) -> str:

@@ -13,7 +13,6 @@ Without either: a smoke run of tiny sizes on the sim (CPU timings, not GPU timin
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -85,20 +84,10 @@ SIM = [shape(2, 128, 16), shape(1, 64, 128, "fp8_e4m3")]
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE ({'rows': [...]})")
-    parser.add_argument("--model", action="store_true", help="H200 model rows of the production shapes (sim)")
-    args = parser.parse_args(argv)
+    args = _model.bench_parser(__doc__).parse_args(argv)
     cp = _bench.gpu()
     if cp is None and args.model:
-        rows = []
-        for s, subset in MODEL:
-            rows.append(project(s, subset))
-            print(f"  modeled {_model.label(rows[-1])}: {rows[-1]['time_us']:.1f} µs", file=sys.stderr, flush=True)
-        _model.store_model_rows("mla", rows)
-        _model.print_model_table(rows)
-        _model.write_json(args.json, rows, device="sim", model="H200")
+        _model.finish_model("mla", [project(s, subset) for s, subset in MODEL], args.json)
         return
     table, rows = [], []
     if cp is None:
@@ -116,10 +105,7 @@ def main(argv=None):
         rows.append(r)
         table.append(_bench.summarize(_model.label(s), "v1", ms, c.min_bytes, peak) + (f"{r['tflops']:.1f}",))
     _bench.print_table(table, f"{device} (peak {peak or '?'} GB/s)", extra=("TFLOP/s",))
-    cached = _model.cached_model_rows("mla")
-    if cached:
-        _model.print_model_table(cached)
-    _model.write_json(args.json, rows + cached, device=device)
+    _model.finish_measured("mla", rows, args.json, device=device)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ smoke run of tiny sizes on the sim (CPU timings of the simulator, not GPU timing
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import sys
@@ -107,14 +106,6 @@ def model_shapes(sweep: bool):
             yield shape("prefill", 8, length, length, 32, 8, HEAD, "bf16"), 1, (length // 128, 8, 1)
 
 
-def model_rows(sweep: bool) -> list:
-    rows = []
-    for s, subset, stride in model_shapes(sweep):
-        rows.append(project(s, subset, stride))
-        print(f"  modeled {_model.label(rows[-1])}: {rows[-1]['time_us']:.1f} µs", file=sys.stderr, flush=True)
-    return rows
-
-
 def gpu_configs(quick):
     batches, contexts, gqas = ((1, 64), (4096,), (8,)) if quick else ((1, 8, 64, 256), (512, 4096, 32768), (1, 4, 8))
     for b, ctx, g, kv in itertools.product(batches, contexts, gqas, ("fp16", "fp8_e4m3")):
@@ -154,25 +145,16 @@ def measured_rows(cp, quick):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", metavar="FILE", help="write the rows to FILE ({'rows': [...]})")
-    parser.add_argument("--model", action="store_true", help="H200 model rows of the production shapes (sim)")
+    parser = _model.bench_parser(__doc__)
     parser.add_argument("--sweep", action="store_true", help="with --model: decode contexts and prefill lengths too")
     parser.add_argument("--quick", action="store_true", help="GPU: a few configs only")
     args = parser.parse_args(argv)
     cp = _bench.gpu()
     if cp is not None:
         rows, meta = measured_rows(cp, args.quick)
-        cached = _model.cached_model_rows("paged_attention")
-        if cached:
-            _model.print_model_table(cached)
-        _model.write_json(args.json, rows + cached, **meta)
+        _model.finish_measured("paged_attention", rows, args.json, **meta)
     elif args.model:
-        rows = model_rows(args.sweep)
-        _model.store_model_rows("paged_attention", rows)
-        _model.print_model_table(rows)
-        _model.write_json(args.json, rows, device="sim", model="H200")
+        _model.finish_model("paged_attention", [project(*m) for m in model_shapes(args.sweep)], args.json)
     else:
         table = []
         for s in (shape("decode", 4, 300, 1, 8, 2, 64, "fp16"), shape("decode", 4, 300, 1, 8, 2, 64, "fp8"),
