@@ -23,10 +23,12 @@ def main(argv=None) -> int:
 
         dev, sync = sim.asarray, lambda: None
     else:
-        import cupy
+        from cupaged._backend import GpuUnavailableError, require_gpu
 
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            print("gpu_check_kernels: no GPU", file=sys.stderr)
+        try:
+            cupy = require_gpu()  # the package's one probe: names the cause, driver and extra
+        except GpuUnavailableError as e:
+            print(f"gpu_check_kernels: {e}", file=sys.stderr)
             return 2
         cupy.cuda.set_allocator(None)  # no pool: memcheck bounds each array on its own
         dev, sync = cupy.asarray, cupy.cuda.Device().synchronize
