@@ -110,7 +110,9 @@ CUPAGED_SIM_PROF(__attribute__((no_sanitize_thread))) void matrix_compute(int ba
       for (int r = 0; r < 8; ++r) {
         bool repeat = false;
         for (int q = 0; q < r; ++q) repeat |= row[i][q] == row[i][r];
-        if (!repeat) worst = std::max(worst, ++groups[(uintptr_t(row[i][r]) >> 4) & 7u]);
+        if (repeat) continue;
+        const int c = ++groups[(uintptr_t(row[i][r]) >> 4) & 7u];
+        worst = c > worst ? c : worst;  // not std::max: an out-of-line call here would be instrumented
       }
       prof_wavefronts(prof_line_site(g.threads[base].line), unsigned(worst));  // the asm statement's line
     }
