@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._backend import array_kind, empty, host_copy, module_of
+from cupaged._backend import array_kind, empty, host_copy, module_of, upload
 from cupaged._cache_args import cache_dtype, check_index
 from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_float, check_last_contiguous, \
     check_ndim, element_strides
@@ -112,7 +112,7 @@ def check_head_vector(name, a, num_heads, xp):
         raise ValueError(f"{name} must be [num_heads] = [{num_heads}], got shape {tuple(a.shape)}")
     if module == "cupy" and xp is np:
         raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
-    return xp.ascontiguousarray(a) if module == xp.__name__ else xp.asarray(a)
+    return xp.ascontiguousarray(a) if module == xp.__name__ else upload(xp, a, name)
 
 
 def check_out(out, like, name, shape=None):

@@ -14,7 +14,8 @@ import warnings
 
 import numpy as np
 
-__all__ = ["array_module", "array_kind", "module_of", "is_device_array", "empty", "upload", "host_copy", "struct_arg",
+__all__ = ["array_module", "array_kind", "module_of", "is_device_array", "empty", "capturing", "upload", "host_copy",
+           "struct_arg",
            "gpu_module", "probe_gpu", "require_gpu", "GpuProbe", "GpuUnavailableWarning",
            "GpuUnavailableError", "sm_count", "device_shared_limit"]
 
@@ -56,7 +57,8 @@ def array_module(**arrays):
         elif is_device_array(a):
             kinds.setdefault("cupy", []).append(name)
         else:
-            raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
+            raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__} (arrays of other libraries "
+                            "are taken through __cuda_array_interface__, __dlpack__ or numpy's array interface)")
     if len(kinds) > 1:
         raise TypeError(
             "arrays on different backends: "
@@ -75,14 +77,31 @@ def empty(xp, shape, dtype):
     return xp.empty(shape, dtype)
 
 
-def upload(xp, a):
-    """A small host array (indices, scales) as ``xp``'s array: uploaded for cupy, as it is for numpy."""
-    return a if xp is np else xp.asarray(a)
+def capturing(xp) -> bool:
+    """True while CuPy's current stream captures a CUDA graph (never on the sim)."""
+    return xp is not np and xp.cuda.get_current_stream().is_capturing()
+
+
+def upload(xp, a, name: str = "a host index array"):
+    """A small host array (indices, scales) as ``xp``'s array: uploaded for cupy, as it is for numpy.
+    A synchronous upload cannot be captured: during CUDA graph capture it is a ValueError naming it."""
+    if xp is np or is_device_array(a):
+        return a
+    if capturing(xp):
+        raise ValueError(f"{name} is a host (numpy) array: pass it as a cupy array while capturing a CUDA graph "
+                         "(a host-to-device upload cannot be captured)")
+    return xp.asarray(a)
 
 
 def host_copy(a) -> np.ndarray:
-    """A numpy copy of a numpy or cupy array (only for validate=True content checks and host plans)."""
-    return np.asarray(a.get() if is_device_array(a) else a)
+    """A numpy copy of a numpy or cupy array (only for validate=True content checks and host plans).
+    Reading a device array back cannot be captured: during CUDA graph capture it is a RuntimeError."""
+    if not is_device_array(a):
+        return np.asarray(a)
+    if capturing(module_of(a)):
+        raise RuntimeError("this call reads device arrays on the host (validate=True / CUPAGED_VALIDATE=1, or an "
+                           "op planned on the host such as mla_chunked_prefill), which CUDA graph capture forbids")
+    return a.get()
 
 
 def struct_arg(value: np.ndarray, xp):

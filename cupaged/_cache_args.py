@@ -67,7 +67,7 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     if module == "cupy" and xp is np:
         raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
     if module == "numpy" and xp is not np:
-        scale = upload(xp, scale)
+        scale = upload(xp, scale, name)
     elif module == "numpy":
         scale = np.ascontiguousarray(scale)
     return scale.reshape(-1), np.float32(1.0), np.int32(scale.size > 1)

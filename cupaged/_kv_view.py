@@ -9,10 +9,12 @@ import functools
 
 from cupaged._attention_args import _aligned, check_caches
 from cupaged._checks import element_strides
+from cupaged._interop import accepts_foreign_arrays, passes_as_is
 
 __all__ = ["KvView"]
 
 
+@passes_as_is
 @dataclasses.dataclass(frozen=True, eq=False)
 class KvView:
     """A K/V source for the attention kernel: its arrays, heads, sizes and address strides
@@ -36,6 +38,7 @@ class KvView:
         return f"{self.kind}:{self.kv_cache_dtype}:{self.block_size}"
 
     @classmethod
+    @accepts_foreign_arrays
     def paged(cls, key_cache, value_cache, q, kv_cache_dtype="auto", layout="NHD"):
         """A paged cache in the flash NHD / HND or the vLLM layout (shapes and dtypes checked against q)."""
         c = check_caches(key_cache, value_cache, q, kv_cache_dtype, layout,
@@ -45,6 +48,7 @@ class KvView:
                    c["block_size"], strides, bool(c["vec_k"]), bool(c["vec_v"]))
 
     @classmethod
+    @accepts_foreign_arrays
     def dense(cls, k, v):
         """Varlen token rows: k ``[total_k, num_kv_heads, head_size]``, v ``[..., v_head_size]``."""
         ks, vs = element_strides("k", k), element_strides("v", v)
@@ -55,6 +59,7 @@ class KvView:
         return cls("dense", k, v, "auto", k.shape[1], k.shape[2], v.shape[2], 1, strides, vec_k, vec_v)
 
     @classmethod
+    @accepts_foreign_arrays
     def mla(cls, kv_cache, kv_lora_rank, kv_cache_dtype="auto"):
         """A latent cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: the key is the whole row,
         the value its first ``kv_lora_rank`` entries (one head shared by every query head)."""

@@ -17,16 +17,18 @@ import operator
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays, passes_as_is
 from cupaged._annotate import declare_launch, op_range
-from cupaged._backend import device_shared_limit, empty, module_of, sm_count, struct_arg
+from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, struct_arg
 from cupaged._cache_args import KV_CODE, KV_KINDS, kv_dtype_name, kv_scale_args
-from cupaged._checks import CTYPE, element_strides
+from cupaged._checks import CTYPE, address, element_strides
 from cupaged._cost import attention_cost
 from cupaged._kv_view import KvView
 from cupaged._mirror import constants, struct_dtype
 from cupaged._runtime import KernelFamily
 
-__all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "FAMILY", "HEAD_BUCKETS", "MLA_BUCKET"]
+__all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "workspace_bytes", "carve_workspace", "FAMILY",
+           "HEAD_BUCKETS", "MLA_BUCKET"]
 
 HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
@@ -76,6 +78,7 @@ def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
     return 4 * (rows * hd + kv + rows * tile + 3 * rows)
 
 
+@passes_as_is
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan:
     """The schedule of one batch: reusable for every layer whose q and K/V have these shapes, and inside
@@ -108,6 +111,38 @@ class AttentionPlan:
         rows = (self.num_tokens, self.num_heads, self.max_splits)
         return rows, rows, (*rows, self.v_head_size)
 
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the ``workspace=`` that holds this plan's partials (0: it needs none)."""
+        if self.partial_shapes is None:
+            return 0
+        return workspace_bytes(self.num_tokens, self.num_heads, self.max_splits, self.v_head_size)
+
+
+def workspace_bytes(num_tokens, num_heads, max_splits, head_size) -> int:
+    """Bytes of split partials, all float32: max_logits, exp_sums and tmp_output (never rounded to the
+    output's dtype before the merge), plus 256 for alignment."""
+    n = num_tokens * num_heads * max_splits
+    return 8 * n + 4 * n * head_size + 256
+
+
+def carve_workspace(workspace, plan: AttentionPlan):
+    """The plan's partials (max_logits, exp_sums, tmp_output) carved out of the caller's 1-D uint8
+    ``workspace`` at a 256-byte boundary; None when the plan needs none or no workspace is given."""
+    if workspace is None or plan.partial_shapes is None:
+        return None
+    need = plan.workspace_bytes
+    if workspace.dtype != np.uint8 or workspace.ndim != 1 or workspace.size < need:
+        raise ValueError(f"workspace must be a 1-D uint8 array of >= {need} bytes for {plan.max_splits} splits, got "
+                         f"{workspace.dtype} shape {tuple(workspace.shape)}")
+    rows = plan.partial_shapes[0]
+    n = math.prod(rows)
+    off = (-address(workspace)) % 256
+    ml = workspace[off:off + 4 * n].view(np.float32).reshape(rows)
+    es = workspace[off + 4 * n:off + 8 * n].view(np.float32).reshape(rows)
+    tmp = workspace[off + 8 * n:off + 8 * n + 4 * n * plan.v_head_size].view(np.float32)
+    return ml, es, tmp.reshape(*rows, plan.v_head_size)
+
 
 def choose_split(xp, ctas: int, max_kv: int) -> int:
     """kv_split_size=None: split long contexts until ~2 CTAs per SM have work (0 = no split).
@@ -120,6 +155,7 @@ def choose_split(xp, ctas: int, max_kv: int) -> int:
     return 0 if size >= max_kv else size
 
 
+@accepts_foreign_arrays
 def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None,
                    max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
     """Plan attention of ``q`` over ``kv``; only the shapes of the index arrays are used (dense K/V:
@@ -184,6 +220,7 @@ def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
 
 
+@accepts_foreign_arrays
 def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, seq_lens, query_start_loc=None, *,
                   scale=None, causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
                   k_scale=1.0, v_scale=1.0, partials=None):
@@ -201,6 +238,10 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
     else:
         k_ptr, v_ptr, ksv, vsv, per_head = kv_scale_args(xp, kv.kv_cache_dtype, k_scale, v_scale, kv.num_kv_heads)
     if partials is None and plan.partial_shapes is not None:
+        if capturing(xp):  # a buffer freed on return would be reused while the graph still writes it
+            raise ValueError(f"workspace (or partials) is required while capturing a CUDA graph: this plan splits "
+                             f"the keys into up to {plan.max_splits} parts; pass a uint8 workspace of "
+                             f"plan.workspace_bytes = {plan.workspace_bytes} bytes")
         partials = tuple(empty(xp, s, np.float32) for s in plan.partial_shapes)
     max_logits, exp_sums, tmp_output = partials or (None, None, None)
     qs, os_ = element_strides("q", q), element_strides("out", out)

@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays
 from cupaged._cache_args import (
     KV_CODE,
     KV_KINDS,
@@ -98,6 +99,7 @@ def _check_cache_dtype(name, cache, want, kv_cache_dtype):
     check_writable(name, cache)
 
 
+@accepts_foreign_arrays
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
                             k_scale=1.0, v_scale=1.0, *, layout="NHD", validate=None):
     """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into flash-layout caches.
@@ -154,6 +156,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                 np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
 
 
+@accepts_foreign_arrays
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
                       k_scale=1.0, v_scale=1.0, *, validate=None):
     """vLLM's ``reshape_and_cache`` for the v1/v2 paged-attention layout.
@@ -203,6 +206,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
                 np.int32(block_size)))
 
 
+@accepts_foreign_arrays
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="auto", scale=1.0, *, validate=None):
     """vLLM's ``concat_and_cache_mla``: ``kv_c`` ``[num_tokens, kv_lora_rank]`` and ``k_pe``
     ``[num_tokens, rope_dim]`` written side by side into ``kv_cache``

@@ -12,6 +12,7 @@ import numbers
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays
 from cupaged._annotate import op_launch
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_last_contiguous, check_ndim, \
     check_writable, element_strides
@@ -86,6 +87,7 @@ def _check_no_overlap(arrays, in_place):
                                  f"as prefix_lse or suffix_lse)")
 
 
+@accepts_foreign_arrays
 def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse=None,
                       prefill_tokens_with_context=None):
     """vLLM's ``merge_attn_states``: write the merge of two partial attention states into ``output``.

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays, as_native
 from cupaged._attention_args import check_out, check_q, check_tables, validate_offsets, validate_tables
 from cupaged._cache_args import cache_dtype, check_index, check_scale_values, scale_args
 from cupaged._checks import check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
     check_optional_int, check_writable, validate_enabled
 from cupaged._backend import array_kind, array_module, empty, host_copy, module_of
-from cupaged.attention import MLA_BUCKET, KvView, plan_attention, run_attention
+from cupaged.attention import MLA_BUCKET, KvView, carve_workspace, plan_attention, run_attention
 from cupaged.cache_gather import gather_and_maybe_dequant_cache
 from cupaged.merge_attn_states import merge_attn_states
 
 __all__ = ["mla_decode", "mla_chunked_prefill"]
 
 
+@accepts_foreign_arrays
 def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=None, kv_cache_dtype="auto",
-               k_scale=1.0, kv_split_size=None, max_seq_len=None, out=None, return_lse=False, validate=None):
+               k_scale=1.0, kv_split_size=None, max_seq_len=None, workspace=None, out=None, return_lse=False,
+               validate=None):
     """Decode attention of absorbed queries ``q`` ``[num_seqs, num_heads, kv_lora_rank + rope_dim]``
     over the latent cache ``kv_cache`` ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: the key
     is the whole latent row, the value its first ``kv_lora_rank`` entries (FlashMLA / vLLM MLA
@@ -26,9 +29,11 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
     1/sqrt(qk_nope_head_dim + qk_rope_head_dim), not of the latent row. All query heads share the
     one latent head; 16 heads per CTA, the CTAs of one split adjacent so they share the cache bytes
     in L2. Split-KV with an LSE merge for long contexts (a fixed ``kv_split_size`` is
-    batch-invariant); fp8 caches (uint8) with one ``k_scale``.
+    batch-invariant; ``workspace``, a uint8 array of ``plan.workspace_bytes``, holds the split
+    partials, as for paged_attention); fp8 caches (uint8) with one ``k_scale``.
     Returns out ``[num_seqs, num_heads, kv_lora_rank]`` (and LSE ``[num_heads, num_seqs]``)."""
-    xp = array_module(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out)
+    xp = array_module(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, out=out,
+                      workspace=workspace)
     if scale is None:
         raise TypeError("mla_decode needs scale=: the softmax scale of the model's un-absorbed heads, "
                         "1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (e.g. 1/sqrt(192) for DeepSeek-V3), "
@@ -61,6 +66,7 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
     max_seq_len = check_optional_int("max_seq_len", max_seq_len, 0)
     return_lse = check_bool("return_lse", return_lse)
     check_writable("out", out)
+    check_writable("workspace", workspace)
     out = check_out(out, q, "out", shape=(num_seqs, num_heads, kv_lora_rank))
     lse = empty(xp, (num_heads, num_seqs), np.float32) if return_lse else None
     if validate_enabled(validate):
@@ -71,10 +77,12 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
         return (out, lse) if return_lse else out
     kv = KvView.mla(kv_cache, kv_lora_rank, kv_cache_dtype)
     plan = plan_attention(q, kv, block_tables, seq_lens, max_seq_len=max_seq_len, kv_split_size=kv_split_size)
-    run_attention(plan, q, kv, out, lse, block_tables, seq_lens, scale=scale, k_scale=k_scale, v_scale=k_scale)
+    run_attention(plan, q, kv, out, lse, block_tables, seq_lens, scale=scale, k_scale=k_scale, v_scale=k_scale,
+                  partials=carve_workspace(workspace, plan))
     return (out, lse) if return_lse else out
 
 
+@accepts_foreign_arrays
 def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj, *,
                         workspace_tokens=8192, scale=None, kv_cache_dtype="auto", k_scale=1.0, workspace=None,
                         out=None, return_lse=False, validate=None):
@@ -199,6 +207,7 @@ def _up_projected(up_proj, rows, n, kv_shapes, dtype):
     result = up_proj(rows)
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(f"up_proj must return a (k, v) pair, got {type(result).__name__}")
+    result = tuple(as_native(f"up_proj's {name}", a) for name, a in zip("kv", result))  # e.g. torch tensors
     for name, a, (heads, size) in zip(("k", "v"), result, kv_shapes):
         if not hasattr(a, "shape") or tuple(a.shape) != (n, heads, size) or a.dtype != dtype:
             got = f"{a.dtype} {tuple(a.shape)}" if hasattr(a, "shape") else type(a).__name__

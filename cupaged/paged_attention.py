@@ -8,15 +8,17 @@ import math
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays
 from cupaged._attention_args import check_head_vector, check_out, check_q, check_softcap, check_tables, validate_tables
 from cupaged._cache_args import check_scale_values, kv_scale_args
-from cupaged._checks import address, check_bool, check_choice, check_float, check_optional_int, check_writable, validate_enabled
+from cupaged._checks import check_bool, check_choice, check_float, check_optional_int, check_writable, validate_enabled
 from cupaged._backend import array_module, empty
-from cupaged.attention import FAMILY, HEAD_BUCKETS, KvView, plan_attention, run_attention
+from cupaged.attention import FAMILY, HEAD_BUCKETS, KvView, carve_workspace, plan_attention, run_attention, workspace_bytes
 
-__all__ = ["paged_attention", "HEAD_BUCKETS", "FAMILY"]
+__all__ = ["paged_attention", "workspace_bytes", "HEAD_BUCKETS", "FAMILY"]
 
 
+@accepts_foreign_arrays
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
                     causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
                     kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD", kv_split_size=None,
@@ -62,32 +64,8 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         return (out, lse) if return_lse else out
     plan = plan_attention(q, kv, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
                           max_seq_len=max_seq_len, kv_split_size=kv_split_size)
-    partials = _carve(workspace, xp, plan) if plan.partial_shapes is not None else None
+    partials = carve_workspace(workspace, plan)
     run_attention(plan, q, kv, out, lse, block_tables, seq_lens, query_start_loc, scale=scale, causal=causal,
                   sliding_window=window, sinks=sinks, alibi_slopes=alibi, softcap=softcap, k_scale=k_scale,
                   v_scale=v_scale, partials=partials)
     return (out, lse) if return_lse else out
-
-
-def workspace_bytes(num_tokens, num_heads, max_splits, head_size) -> int:
-    """Bytes of split partials, all float32: max_logits, exp_sums and tmp_output (never rounded to the
-    output's dtype before the merge)."""
-    n = num_tokens * num_heads * max_splits
-    return 8 * n + 4 * n * head_size + 256
-
-
-def _carve(workspace, xp, plan):
-    """The plan's partial buffers carved out of the caller's workspace (None: allocated by run_attention)."""
-    if workspace is None:
-        return None
-    num_tokens, num_heads, max_splits = plan.partial_shapes[0]
-    need = workspace_bytes(num_tokens, num_heads, max_splits, plan.v_head_size)
-    if workspace.dtype != np.uint8 or workspace.ndim != 1 or workspace.size < need:
-        raise ValueError(f"workspace must be a 1-D uint8 array of >= {need} bytes for {max_splits} splits, got "
-                         f"{workspace.dtype} shape {tuple(workspace.shape)}")
-    n = num_tokens * num_heads * max_splits
-    off = (-address(workspace)) % 256
-    ml = workspace[off:off + 4 * n].view(np.float32).reshape(num_tokens, num_heads, max_splits)
-    es = workspace[off + 4 * n:off + 8 * n].view(np.float32).reshape(num_tokens, num_heads, max_splits)
-    tmp = workspace[off + 8 * n:off + 8 * n + 4 * n * plan.v_head_size].view(np.float32)
-    return ml, es, tmp.reshape(num_tokens, num_heads, max_splits, plan.v_head_size)

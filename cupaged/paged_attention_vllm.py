@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays
 from cupaged._attention_args import check_head_vector, check_out, check_q, check_tables, validate_tables
 from cupaged._cache_args import check_scale_values
 from cupaged._checks import check_dtype, check_float, check_int, check_ndim, check_writable, validate_enabled
@@ -55,6 +56,7 @@ def _blocksparse(local_blocks, vert_stride, block_size, head_sliding_step):
                 blocksparse_head_sliding_step=head_sliding_step)
 
 
+@accepts_foreign_arrays
 def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens, block_size,
                        max_seq_len, alibi_slopes, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, tp_rank=0,
                        blocksparse_local_blocks=0, blocksparse_vert_stride=0, blocksparse_block_size=64,
@@ -73,6 +75,7 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
                       k_scale=k_scale, v_scale=v_scale)
 
 
+@accepts_foreign_arrays
 def paged_attention_v2(out, exp_sums, max_logits, tmp_output, query, key_cache, value_cache, num_kv_heads, scale,
                        block_tables, seq_lens, block_size, max_seq_len, alibi_slopes, kv_cache_dtype="auto",
                        k_scale=1.0, v_scale=1.0, tp_rank=0, blocksparse_local_blocks=0, blocksparse_vert_stride=0,

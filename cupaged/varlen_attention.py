@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays
 from cupaged._attention_args import check_hint, check_out, check_q, validate_offsets
 from cupaged._cache_args import check_index
 from cupaged._checks import check_bool, check_float, check_last_contiguous, check_ndim, check_optional_int, \
@@ -17,6 +18,7 @@ from cupaged.attention import KvView, plan_attention, run_attention
 __all__ = ["varlen_attention"]
 
 
+@accepts_foreign_arrays
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=True, max_seqlen_q=None,
                      max_seqlen_k=None, out=None, return_lse=False, validate=None):
     """Attention of varlen sequences packed along the token axis: q ``[total_q, num_heads,

@@ -1,5 +1,6 @@
 """A stand-in ``cupy`` module for tests of the cuda launcher's plumbing without a GPU: its RawModule
-records the options it was built with and the compiles it ran."""
+records the options it was built with and the compiles it ran; ``asarray`` / ``from_dlpack`` record
+what they were handed and return a fake device array (an ``ndarray`` holding it)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,22 @@ def install(monkeypatch, cudart_version: int = 13000) -> types.ModuleType:
         def get_function(self, name):
             return ("kernel", name)
 
-    cupy.RawModule = RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(runtimeGetVersion=lambda: cudart_version))
+    class ndarray:  # noqa: N801 (cupy's name)
+        def __init__(self, source, via):
+            self.source, self.via = source, via
+
+        def get(self):
+            return self.source
+
+    class Stream:  # CuPy's current stream; ``cupy.capturing`` says whether it captures a CUDA graph
+        @staticmethod
+        def is_capturing():
+            return cupy.capturing
+
+    cupy.RawModule, cupy.ndarray, cupy.capturing = RawModule, ndarray, False
+    cupy.asarray = lambda a: ndarray(a, "asarray")
+    cupy.from_dlpack = lambda a: ndarray(a, "from_dlpack")
+    cupy.cuda = types.SimpleNamespace(Device=Device, get_current_stream=Stream,
+                                      runtime=types.SimpleNamespace(runtimeGetVersion=lambda: cudart_version))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     return cupy

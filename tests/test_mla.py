@@ -42,6 +42,20 @@ def test_mla_decode(backend, kv_cache_dtype, num_heads, block_size, seq_lens, sp
     assert_close(backend.to_numpy(lse), ref_lse, "lse", "lse")
 
 
+def test_mla_decode_split_partials_in_a_workspace(backend):
+    """workspace= holds the split partials (as a captured decode step needs): the same bits as without."""
+    rng = np.random.default_rng(8)
+    cache, table, _ = latent_pool(rng, [300, 7], 16, np.float16, "auto")
+    args = [backend.asarray(a) for a in (rng.standard_normal((2, 16, RANK + ROPE)).astype(np.float16), cache, table,
+                                         np.array([300, 7], np.int32))]
+    plan = cupaged.plan_attention(args[0], cupaged.KvView.mla(args[1], RANK), args[2], args[3], kv_split_size=64)
+    workspace = backend.asarray(np.full(plan.workspace_bytes + 5, 0xFF, np.uint8))[5:]  # unaligned on purpose
+    got = cupaged.mla_decode(*args, scale=0.05, kv_split_size=64, workspace=workspace)
+    want = cupaged.mla_decode(*args, scale=0.05, kv_split_size=64)
+    assert plan.max_splits > 1 and np.array_equal(backend.to_numpy(got).view(np.uint16),
+                                                   backend.to_numpy(want).view(np.uint16))
+
+
 def test_mla_decode_split_is_batch_invariant(backend):
     rng = np.random.default_rng(5)
     cache, table, _ = latent_pool(rng, [900, 40, 1500], 16, np.float16, "auto")
@@ -67,6 +81,8 @@ BAD = {
     "k_scale per head": (lambda a: {"kv_cache_dtype": "fp8", "kv_cache": a["kv_cache"].view(np.uint8)[..., :576],
                                     "k_scale": np.ones(2, np.float32)}, ValueError, "k_scale"),
     "out shape": (lambda a: {"out": np.zeros((2, 16, 576), np.float16)}, ValueError, "out"),
+    "workspace too small": (lambda a: {"kv_split_size": 8, "workspace": np.zeros(64, np.uint8)}, ValueError,
+                            "workspace must be a 1-D uint8 array of >= "),
 }
 
 
