@@ -1,6 +1,6 @@
 """Reading and moving cache blocks (kernels_cu/cache_gather.cu): gather rows of sequences into a dense
 buffer (with fp8 dequantization), copy blocks inside a cache (copy-on-write), swap blocks between
-caches (host <-> device, no kernel)."""
+caches (host <-> device, asynchronous copies through pinned memory: cupaged/_host_transfer.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from cupaged._cache_args import KV_CODE, KV_KINDS, cache_dtype, check_index, che
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
     check_writable, element_strides, validate_enabled
 from cupaged._cost import Cost
+from cupaged._host_transfer import swap_blocks_gpu
 from cupaged._backend import array_kind, array_module, host_copy
 from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
@@ -239,9 +240,27 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
 
 
 def swap_blocks(src, dst, block_mapping):
-    """Copy whole blocks ``dst[d] = src[s]`` for every (s, d) row of ``block_mapping`` between two
-    caches of the same block shape and dtype: host <-> device with numpy/cupy pairs on a GPU,
-    numpy <-> numpy on the sim. The mapping is read on the host."""
+    """Copy whole blocks ``dst[d] = src[s]`` for every (s, d) row of ``block_mapping`` (int64
+    ``[n, 2]``, numpy or cupy, read on the host) between two caches ``[num_blocks, ...]`` of the
+    same block shape and dtype. numpy <-> numpy runs on the host (the sim). With a cupy array on
+    either side every move is a cudaMemcpyAsync on CuPy's current stream, in the mapping's order,
+    one per run of pairs adjacent on both sides (source and destination ids both advance by 1;
+    blocks packed into staging are adjacent throughout):
+
+    - host -> device: straight from ``src`` when it is pinned memory (``cupyx.empty_pinned``),
+      asynchronously: ``src`` must stay alive and unchanged until the stream has passed the
+      copies. Any other ``src`` is first gathered into pinned staging memory, and may be changed
+      on return. No synchronize.
+    - device -> host: into ``dst`` when it is pinned, else into staging then ``dst``; the stream is
+      synchronized, so ``dst`` is ready on return.
+    - device -> device: no synchronize; where src and dst share memory, every block is read
+      before any is written.
+
+    Blocks need not be contiguous: a cupy cache whose blocks are not is gathered or scattered by a
+    kernel through a packed buffer, a numpy one through staging; blocks not adjacent in memory
+    (a cache strided along dimension 0) are copied one by one. The staging (two pinned buffers
+    for the process, used in turn) grows to the largest staged swap and is kept. A destination
+    block named twice receives one of its sources."""
     for name, a in (("src", src), ("dst", dst)):
         if array_kind(a) is None:
             raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
@@ -257,19 +276,7 @@ def swap_blocks(src, dst, block_mapping):
     _check_mapping(pairs, np, [("src/dst", src.shape[0], dst.shape[0])], None)
     if pairs.shape[0] == 0:
         return
-    s, d = pairs[:, 0], pairs[:, 1]
-    src_host, dst_host = isinstance(src, np.ndarray), isinstance(dst, np.ndarray)
-    if src_host and not dst_host:
-        import cupy
-
-        dst[cupy.asarray(d)] = cupy.asarray(np.ascontiguousarray(src[s]))
-    elif dst_host and not src_host:
-        import cupy
-
-        dst[d] = src[cupy.asarray(s)].get()
-    elif src_host:
-        dst[d] = src[s]
+    if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+        dst[pairs[:, 1]] = src[pairs[:, 0]]
     else:
-        import cupy
-
-        dst[cupy.asarray(d)] = src[cupy.asarray(s)]
+        swap_blocks_gpu(src, dst, pairs[:, 0], pairs[:, 1])

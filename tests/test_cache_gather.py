@@ -283,15 +283,61 @@ def test_swap_blocks_host_host():
         cupaged.swap_blocks(src[:, :8], dst, mapping)
 
 
+def _swap_host(kind, values):
+    """``values`` as a host cache: pageable, pinned (copied in place, asynchronously) or with
+    non-contiguous blocks (through staging)."""
+    import cupyx
+
+    if kind == "pageable":
+        return values.copy()
+    if kind == "pinned":
+        out = cupyx.empty_pinned(values.shape, values.dtype)
+    else:
+        out = np.zeros((*values.shape[:-1], 2 * values.shape[-1]), values.dtype)[..., :values.shape[-1]]
+    out[...] = values
+    return out
+
+
+def _swap_device(kind, values):
+    """``values`` as a device cache: contiguous, blocks two apart (``kv[:, 0]``: copied block by
+    block) or with non-contiguous blocks (gathered / scattered by a kernel)."""
+    import cupy
+
+    if kind == "contiguous":
+        return cupy.asarray(values)
+    if kind == "dim0_strided":
+        out = cupy.zeros((values.shape[0], 2, *values.shape[1:]), values.dtype)[:, 0]
+    else:
+        out = cupy.zeros((*values.shape[:-1], 2 * values.shape[-1]), values.dtype)[..., :values.shape[-1]]
+    out[...] = cupy.asarray(values)
+    return out
+
+
 @pytest.mark.skipif("not __import__('tests.conftest').conftest.gpu_available()", reason="no GPU")
-def test_swap_blocks_host_device_round_trip():
+@pytest.mark.parametrize("device_kind", ["contiguous", "dim0_strided", "blocks_strided"])
+@pytest.mark.parametrize("host_kind", ["pageable", "pinned", "blocks_strided"])
+def test_swap_blocks_host_device_round_trip(host_kind, device_kind):
+    """Host -> device -> device -> host against the reference, with runs of adjacent blocks and
+    single pairs; the host result is read without a synchronize (device -> host synchronizes)."""
     import cupy
 
     rng = np.random.default_rng(10)
-    host = rng.standard_normal((6, 16, 2, 64)).astype(np.float16)
-    device = cupy.full((8, 16, 2, 64), cupy.nan, cupy.float16)
-    cupaged.swap_blocks(host, device, np.array([[0, 7], [3, 2]], np.int64))
-    back = np.full_like(host, np.nan)
-    cupaged.swap_blocks(device, back, np.array([[7, 1], [2, 4]], np.int64))
-    assert_bytes_equal(back[1], host[0], "block 0 round trip")
-    assert_bytes_equal(back[4], host[3], "block 3 round trip")
+    block = (16, 2, 64)
+    host0 = rng.standard_normal((6, *block)).astype(np.float16)
+    device0, other0, back0 = (poisoned((n, *block), np.float16) for n in (9, 9, 6))
+    to_device = np.array([[0, 6], [1, 7], [2, 8], [5, 1], [3, 2]], np.int64)
+    host, device = _swap_host(host_kind, host0), _swap_device(device_kind, device0)
+    cupaged.swap_blocks(host, device, to_device)  # a pinned host is read later: it stays alive until device.get()
+    device_ref = reference.swap_blocks(host0, device0, to_device)
+    assert_bytes_equal(device.get(), device_ref, "host -> device")
+    within = np.array([[6, 0], [7, 1], [8, 2], [1, 5]], np.int64)
+    other = cupy.asarray(other0)
+    cupaged.swap_blocks(device, other, within)
+    other_ref = reference.swap_blocks(device_ref, other0, within)
+    assert_bytes_equal(other.get(), other_ref, "device -> device")
+    back, to_host = _swap_host(host_kind, back0), np.array([[0, 3], [1, 4], [2, 5], [5, 0]], np.int64)
+    cupaged.swap_blocks(other, back, to_host)
+    assert_bytes_equal(back, reference.swap_blocks(other_ref, back0, to_host), "device -> host")
+    chain = np.array([[6, 7], [7, 8]], np.int64)
+    cupaged.swap_blocks(device, device, chain)  # one cache: every block read before any is written
+    assert_bytes_equal(device.get(), reference.swap_blocks(device_ref, device_ref, chain), "within one cache")

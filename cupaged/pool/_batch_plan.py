@@ -3,7 +3,6 @@ take (docs/conventions.md §4), and their upload to the GPU in one copy from pin
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import sys
@@ -11,6 +10,7 @@ import sys
 import numpy as np
 
 from cupaged._backend import gpu_module
+from cupaged._host_transfer import PinnedStaging
 
 __all__ = ["BatchPlan", "PinnedStaging", "default_array_module"]
 
@@ -90,41 +90,3 @@ def _shared_staging() -> PinnedStaging:
     one could hand its pinned memory back while the copy still reads it)."""
     return PinnedStaging()
 
-
-class PinnedStaging:
-    """Pinned host buffers used in turn for plan uploads.
-
-    A host-to-device copy from pinned memory is asynchronous: the host may not refill a buffer
-    until the copy reading it has finished. Each buffer carries the event recorded after its last
-    copy, and is reused only after that event has completed; with ``depth`` buffers in rotation
-    the host waits only when it runs ``depth`` uploads ahead of the GPU.
-    """
-
-    def __init__(self, depth: int = 2):
-        self._buffers = [None] * depth  # pinned memory per slot
-        self._events = [None] * depth  # event recorded after the slot's last copy
-        self._next = 0
-
-    def upload(self, cp, arrays: dict) -> dict:
-        offsets, nbytes = {}, 0
-        for name, a in arrays.items():  # int64 arrays first: every offset stays 8-byte aligned
-            offsets[name] = nbytes
-            nbytes += -(-a.nbytes // 8) * 8
-        slot = self._next
-        self._next = (slot + 1) % len(self._buffers)
-        if self._events[slot] is not None:
-            self._events[slot].synchronize()  # the copy still reading this buffer is done
-        buf = self._buffers[slot]
-        if buf is None or len(buf) < nbytes:
-            mem = cp.cuda.alloc_pinned_memory(max(nbytes, 2 * len(buf) if buf is not None else 4096))
-            buf = self._buffers[slot] = np.frombuffer(mem, np.uint8)
-        for name, a in arrays.items():
-            buf[offsets[name]:offsets[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
-        stream = cp.cuda.get_current_stream()
-        device = cp.empty(max(nbytes, 8), cp.uint8)
-        device.data.copy_from_host_async(ctypes.c_void_p(buf.ctypes.data), nbytes, stream)  # (old CuPy: no int)
-        if self._events[slot] is None:
-            self._events[slot] = cp.cuda.Event(disable_timing=True)
-        self._events[slot].record(stream)
-        return {name: device[offsets[name]:offsets[name] + a.nbytes].view(a.dtype).reshape(a.shape)
-                for name, a in arrays.items()}
