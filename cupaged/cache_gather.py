@@ -8,6 +8,7 @@ import functools
 
 import numpy as np
 
+from cupaged._interop import accepts_foreign_arrays
 from cupaged._annotate import op_launch
 from cupaged._cache_args import KV_CODE, KV_KINDS, cache_dtype, check_index, check_scale_values, scale_args
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
@@ -78,6 +79,7 @@ def _check_reads(src_cache, block_table, cu_seq_lens, seq_starts, seqs_of_tokens
                              f"outside the pool of {num_blocks} blocks")
 
 
+@accepts_foreign_arrays
 def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, token_to_seq, num_tokens,
                                    kv_cache_dtype="auto", scale=1.0, seq_starts=None, *, validate=None):
     """vLLM's ``gather_and_maybe_dequant_cache``: token ``t < num_tokens`` of sequence
@@ -145,6 +147,7 @@ def _row_contiguous(name, a, first_row_dim: int) -> int:
     return expect
 
 
+@accepts_foreign_arrays
 def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts=None, *, validate=None):
     """vLLM's ``cp_gather_cache``: a plain copy of every token of each of the first ``batch_size``
     sequences, ``dst[cu_seq_lens[b] + i] = src_cache[block_table[b, p // bs], p % bs]`` with
@@ -205,6 +208,7 @@ def _check_mapping(block_mapping, xp, bounds, validate):
     return block_mapping
 
 
+@accepts_foreign_arrays
 def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
     """Copy whole blocks inside each cache: for every (src, dst) row of ``block_mapping`` (int64
     ``[n, 2]``, may be numpy beside cupy caches) and every layer, ``cache[dst] = cache[src]``.
@@ -239,6 +243,7 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
                    (cache, mapping, np.int64(cache.strides[0] // word), np.int64(block_bytes // word)))
 
 
+@accepts_foreign_arrays
 def swap_blocks(src, dst, block_mapping):
     """Copy whole blocks ``dst[d] = src[s]`` for every (s, d) row of ``block_mapping`` (int64
     ``[n, 2]``, numpy or cupy, read on the host) between two caches ``[num_blocks, ...]`` of the
