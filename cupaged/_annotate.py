@@ -57,8 +57,15 @@ def declare_launch(xp, op: str, label, cost):
     return _profile.declare(Declared(op, label(), int(c.min_bytes), int(c.flops)))
 
 
-@contextlib.contextmanager
 def op_launch(xp, op: str, label, cost):
-    """An op of one launch: its NVTX range and its declaration together."""
-    with op_range(op, label), declare_launch(xp, op, label, cost):
+    """An op of one launch: its NVTX range and its declaration together (the shared no-op context
+    when neither is on: the default path builds no generator)."""
+    if not nvtx_enabled() and (xp is not np or not _profile.active()):
+        return _OFF
+    return _both(op_range(op, label), declare_launch(xp, op, label, cost))
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
         yield

@@ -48,6 +48,15 @@ def array_module(**arrays):
 
     ``None`` values are ignored. Every other value must be an array of one of the two kinds.
     """
+    types = set(map(type, arrays.values()))
+    types.discard(type(None))
+    if len(types) == 1:  # the common call: one kind of array
+        t = types.pop()
+        if t is np.ndarray:
+            return np
+        cupy = _cupy()
+        if cupy is not None and t is cupy.ndarray:
+            return cupy
     kinds: dict[str, list[str]] = {}
     for name, a in arrays.items():
         if a is None:
@@ -226,7 +235,12 @@ def require_gpu():
 
 def sm_count(xp) -> int:
     """The device's SMs (a nominal H200's on the sim, so grids are sized as on the GPU)."""
-    return NOMINAL_SMS if xp is np else xp.cuda.Device().attributes["MultiProcessorCount"]
+    return NOMINAL_SMS if xp is np else _device_sms(xp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sms(device: int) -> int:  # a driver query (CuPy builds every attribute): once per device
+    return _cupy().cuda.Device(device).attributes["MultiProcessorCount"]
 
 
 def device_shared_limit(xp) -> tuple[int, str]:

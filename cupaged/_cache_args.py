@@ -40,6 +40,9 @@ def kernel_scalar_type(name: str, a) -> str:
     return CTYPE[a.dtype]
 
 
+_NO_SCALE = (None, np.float32(1.0), np.int32(0))  # "auto": the kernel ignores its scale
+
+
 def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | None):
     """(device array or None, float32 value, per_head flag) for a kernel's scale parameters.
 
@@ -47,12 +50,14 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     ``[num_kv_heads]`` float32 values is read by the kernel through a pointer, never on the host.
     A numpy scale array beside cupy data is uploaded. Scales are ignored for "auto".
     """
+    if kv_cache_dtype == "auto" and type(scale) in (float, int):  # the common call, without the checks below
+        return _NO_SCALE
     number = isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_))
     module = array_kind(scale)
     if not number and module is None:
         raise TypeError(f"{name} must be a float or a float32 array, got {type(scale).__name__} {scale!r}")
     if kv_cache_dtype == "auto":
-        return None, np.float32(1.0), np.int32(0)
+        return _NO_SCALE
     if number:
         value = float(scale)
         if not np.isfinite(value) or value <= 0:
@@ -76,6 +81,8 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
 def kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads):
     """(k ptr, v ptr, k value, v value, per_head) for kernels taking a key and a value scale;
     per-head scales come in pairs."""
+    if kv_cache_dtype == "auto" and type(k_scale) in (float, int) and type(v_scale) in (float, int):
+        return None, None, _NO_SCALE[1], _NO_SCALE[1], _NO_SCALE[2]
     k = scale_args("k_scale", k_scale, xp, kv_cache_dtype, num_kv_heads)
     v = scale_args("v_scale", v_scale, xp, kv_cache_dtype, num_kv_heads)
     per_head = np.int32(max(k[2], v[2]))

@@ -3,6 +3,7 @@ what came (docs/conventions.md §5). Nothing here reads the contents of a device
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -11,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["CTYPE", "FLOAT_DTYPES", "check_ndim", "check_dtype", "check_last_contiguous",
-           "element_strides", "address", "validate_enabled", "check_choice", "check_int", "check_optional_int",
+           "element_strides", "int64s", "address", "validate_enabled", "check_choice", "check_int", "check_optional_int",
            "check_bool", "check_float", "check_writable"]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
@@ -27,6 +28,8 @@ def check_ndim(name: str, a, ndim: int, layout: str) -> None:
 
 
 def check_dtype(name: str, a, allowed) -> None:
+    if a.dtype in allowed:  # numpy dtypes compare equal to their scalar types: no conversion on the way in
+        return
     allowed = tuple(np.dtype(d) for d in allowed)
     if a.dtype not in allowed:
         raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in allowed)}, got {a.dtype}")
@@ -40,9 +43,24 @@ def check_last_contiguous(name: str, a) -> None:
 
 def element_strides(name: str, a) -> tuple[int, ...]:
     """Strides in elements (a byte stride that is not a whole number of elements is an error)."""
-    if any(s % a.itemsize for s in a.strides):
+    got = _element_strides(a.strides, a.itemsize)
+    if got is None:
         raise ValueError(f"{name} has strides {tuple(a.strides)} that are not multiples of its itemsize {a.itemsize}")
-    return tuple(s // a.itemsize for s in a.strides)
+    return got
+
+
+@functools.lru_cache(maxsize=4096)
+def _element_strides(strides, itemsize):  # memoized: an op asks for the same few layouts every call
+    if any(s % itemsize for s in strides):
+        return None
+    return tuple(s // itemsize for s in strides)
+
+
+@functools.lru_cache(maxsize=4096)
+def int64s(values: tuple) -> tuple:
+    """``values`` as np.int64 kernel arguments (CuPy and the sim pass a Python int as int64 too, but
+    the kernels' ``long long`` parameters say so explicitly); memoized per strides tuple."""
+    return tuple(np.int64(v) for v in values)
 
 
 def address(a) -> int:

@@ -80,6 +80,16 @@ def as_native(name: str, a):
     return a
 
 
+def _plain(values) -> bool:
+    """Nothing to convert: plain values and numpy/cupy arrays, also inside lists and tuples (partials,
+    per-layer caches)."""
+    types = set(map(type, values))
+    if _PLAIN_TYPES.issuperset(types):
+        return True
+    return all(t in _PLAIN_TYPES or ((t is tuple or t is list) and all(_plain(v) for v in values if type(v) is t))
+               for t in types)
+
+
 def passes_as_is(cls):
     """Class decorator: instances of ``cls`` (plans, K/V views) are no arrays; wrapped ops pass them
     on the fast path."""
@@ -94,7 +104,7 @@ def accepts_foreign_arrays(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not _PLAIN_TYPES.issuperset(map(type, args)) or not _PLAIN_TYPES.issuperset(map(type, kwargs.values())):
+        if not (_plain(args) and _plain(kwargs.values())):
             args = tuple(as_native(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(args))
             kwargs = {k: as_native(k, v) for k, v in kwargs.items()}
         return fn(*args, **kwargs)

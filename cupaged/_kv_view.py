@@ -8,10 +8,21 @@ import dataclasses
 import functools
 
 from cupaged._attention_args import _aligned, check_caches
-from cupaged._checks import element_strides
+from cupaged._checks import address, element_strides
 from cupaged._interop import accepts_foreign_arrays, passes_as_is
 
-__all__ = ["KvView"]
+__all__ = ["KvView", "kv_key"]
+
+
+# What check_caches found for a paged cache's layout, by everything it looks at (shapes, strides,
+# dtypes, 16-byte alignment, q's head size and dtype, cache dtype, layout): the layers of a model
+# share a few layouts, and the checks cost ~15 µs a call. Never mutated once stored.
+_PAGED: dict = {}
+
+
+def kv_key(kind: str, kv_cache_dtype: str, block_size: int) -> str:
+    """``KvView.key_id`` and ``AttentionPlan.kv``: what a plan depends on of its K/V."""
+    return f"{kind}:{kv_cache_dtype}:{block_size}"
 
 
 @passes_as_is
@@ -35,17 +46,31 @@ class KvView:
     @functools.cached_property
     def key_id(self) -> str:
         """What a plan made for this K/V depends on: its kind, cache dtype and block size."""
-        return f"{self.kind}:{self.kv_cache_dtype}:{self.block_size}"
+        return kv_key(self.kind, self.kv_cache_dtype, self.block_size)
 
     @classmethod
     @accepts_foreign_arrays
     def paged(cls, key_cache, value_cache, q, kv_cache_dtype="auto", layout="NHD"):
         """A paged cache in the flash NHD / HND or the vLLM layout (shapes and dtypes checked against q)."""
-        c = check_caches(key_cache, value_cache, q, kv_cache_dtype, layout,
-                         layouts=("vllm",) if layout == "vllm" else ("NHD", "HND"))
-        strides = {k: v for k, v in c.items() if k.startswith(("k_", "v_"))}
-        return cls("paged", key_cache, value_cache, kv_cache_dtype, c["kv_heads"], q.shape[2], q.shape[2],
-                   c["block_size"], strides, bool(c["vec_k"]), bool(c["vec_v"]))
+        try:
+            key = (key_cache.shape, key_cache.strides, key_cache.dtype, address(key_cache) % 16 == 0,
+                   value_cache.shape, value_cache.strides, value_cache.dtype, address(value_cache) % 16 == 0,
+                   q.shape[2], q.dtype, kv_cache_dtype, layout)
+            geometry = _PAGED.get(key)
+        except (AttributeError, TypeError, IndexError):  # not arrays, or an unhashable choice: the checks name it
+            key = geometry = None
+        if geometry is None:
+            c = check_caches(key_cache, value_cache, q, kv_cache_dtype, layout,
+                             layouts=("vllm",) if layout == "vllm" else ("NHD", "HND"))
+            strides = {k: v for k, v in c.items() if k.startswith(("k_", "v_"))}
+            geometry = c["kv_heads"], c["block_size"], strides, bool(c["vec_k"]), bool(c["vec_v"])
+            if key is not None:
+                if len(_PAGED) >= 4096:
+                    _PAGED.clear()
+                _PAGED[key] = geometry
+        heads, block_size, strides, vec_k, vec_v = geometry
+        return cls("paged", key_cache, value_cache, kv_cache_dtype, heads, q.shape[2], q.shape[2], block_size, strides,
+                   vec_k, vec_v)
 
     @classmethod
     @accepts_foreign_arrays

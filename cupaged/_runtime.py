@@ -70,6 +70,7 @@ class KernelFamily:
     def __init__(self, stem: str, name_expressions):
         self.stem = stem
         self.name_expressions = tuple(name_expressions)
+        self._functions: dict = {}  # (name, sim build flags or device id) -> kernel: one dict lookup per launch
         with _LOCK:
             _FAMILIES[stem] = self
 
@@ -80,12 +81,23 @@ class KernelFamily:
 
     def function(self, name: str, xp):
         """The launchable kernel ``name`` (one of the name expressions) for array module ``xp``."""
-        if name not in self.name_expressions:
-            raise KeyError(f"{name!r} is not a name expression of kernels_cu/{self.stem}.cu")
-        label = f"kernels_cu/{self.stem}.cu"
-        if xp is np:  # the sim builds the family once: one g++ object serves every instantiation
-            return sim_module(self.source, self.options, self.name_expressions, label).get_function(name)
-        return _cuda_kernel(xp.cuda.Device().id, self.source, self.options, name, label)
+        if xp is np:
+            from cupaged.sim import _compile
+
+            key = (name, _compile.cxxflags())  # CUPAGED_SIM_FMA / _BOUNDS may change between calls (tests)
+        else:
+            key = (name, xp.cuda.Device().id)
+        kernel = self._functions.get(key)
+        if kernel is None:
+            if name not in self.name_expressions:
+                raise KeyError(f"{name!r} is not a name expression of kernels_cu/{self.stem}.cu")
+            label = f"kernels_cu/{self.stem}.cu"
+            if xp is np:  # the sim builds the family once: one g++ object serves every instantiation
+                kernel = sim_module(self.source, self.options, self.name_expressions, label).get_function(name)
+            else:
+                kernel = _cuda_kernel(key[1], self.source, self.options, name, label)
+            self._functions[key] = kernel
+        return kernel
 
 
 def families() -> list[KernelFamily]:

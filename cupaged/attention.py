@@ -23,7 +23,7 @@ from cupaged._backend import capturing, device_shared_limit, empty, module_of, s
 from cupaged._cache_args import KV_CODE, KV_KINDS, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, address, element_strides
 from cupaged._cost import attention_cost
-from cupaged._kv_view import KvView
+from cupaged._kv_view import KvView, kv_key
 from cupaged._mirror import constants, struct_dtype
 from cupaged._runtime import KernelFamily
 
@@ -67,6 +67,13 @@ def _params_packer():
     """(PaParams' dtype, a getter of its fields' values in declaration order from a dict)."""
     dtype = params_dtype()
     return dtype, operator.itemgetter(*dtype.names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_params(values: tuple) -> np.ndarray:
+    """struct PaParams of these field values, packed in one step and memoized: a layer loop launches
+    the same few parameter sets again and again (the array is never written after packing)."""
+    return np.array(values, _params_packer()[0])
 
 
 def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
@@ -147,7 +154,11 @@ def carve_workspace(workspace, plan: AttentionPlan):
 def choose_split(xp, ctas: int, max_kv: int) -> int:
     """kv_split_size=None: split long contexts until ~2 CTAs per SM have work (0 = no split).
     Chosen from the batch's shape, so only a fixed kv_split_size is batch-invariant."""
-    target = 2 * sm_count(xp)
+    return _split_for(sm_count(xp), ctas, max_kv)
+
+
+def _split_for(sms: int, ctas: int, max_kv: int) -> int:
+    target = 2 * sms
     if ctas >= target or max_kv <= 256:
         return 0
     splits = math.ceil(target / max(ctas, 1))
@@ -160,31 +171,39 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
                    max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
     """Plan attention of ``q`` over ``kv``; only the shapes of the index arrays are used (dense K/V:
     ``block_tables`` None and ``seq_lens`` = cu_seqlens_k). ``kv_split_size``: None chooses from the
-    shape, 0 never splits, n splits every n keys; ``max_splits`` fixes the partial depth (vLLM v2)."""
-    num_tokens, num_heads, head_size = q.shape
-    dense = block_tables is None
-    num_seqs = seq_lens.shape[0] - (1 if dense else 0)
+    shape, 0 never splits, n splits every n keys; ``max_splits`` fixes the partial depth (vLLM v2).
+    Memoized on what it reads, so planning a batch shape seen before costs a dictionary lookup."""
+    return _plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
+                 kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
+                 query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
+                 sm_count(module_of(q)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, block_size, table_width, index_len,
+          decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, sms) -> AttentionPlan:
+    num_tokens, num_heads, head_size = q_shape
+    dense = table_width is None
+    num_seqs = index_len - (1 if dense else 0)
     consts = kernel_constants()
-    group = num_heads // kv.num_kv_heads
-    decode = query_start_loc is None
+    group = num_heads // num_kv_heads
     max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
-    tiles = -(-max_q * group // consts["PA_ROWS"]) if kv.kind != "mla" else -(-num_heads // consts["PA_ROWS"])
-    max_kv = max_seq_len or (block_tables.shape[1] * kv.block_size if not dense else 0)
-    xp = module_of(q)
-    split = choose_split(xp, num_seqs * kv.num_kv_heads * tiles, max_kv) if kv_split_size is None else kv_split_size
+    tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
+    max_kv = max_seq_len or (table_width * block_size if not dense else 0)
+    split = _split_for(sms, num_seqs * num_kv_heads * tiles, max_kv) if kv_split_size is None else kv_split_size
     if max_splits is None:
         max_splits = max(1, -(-max_kv // split)) if split else 1
     split = split if max_splits > 1 else 0
-    t = CTYPE[np.dtype(q.dtype)]
-    shared = kv.kind == "mla"
-    hd, vhd = MLA_BUCKET if shared else (next(b for b in HEAD_BUCKETS if b >= max(head_size, kv.v_head_size)),) * 2
+    t = CTYPE[q_dtype]
+    shared = kind == "mla"
+    hd, vhd = MLA_BUCKET if shared else (next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)),) * 2
     return AttentionPlan(
         op="mla_decode" if shared else "decode" if decode else "prefill", num_tokens=num_tokens, num_heads=num_heads,
-        num_seqs=num_seqs, num_kv_heads=kv.num_kv_heads, head_size=head_size, v_head_size=kv.v_head_size, dtype=t,
-        kv=kv.key_id, tiles=tiles, kv_split_size=split, max_splits=max_splits,
-        always_partials=always_partials, grid=(tiles * max_splits, kv.num_kv_heads, num_seqs),
+        num_seqs=num_seqs, num_kv_heads=num_kv_heads, head_size=head_size, v_head_size=v_head_size, dtype=t,
+        kv=kv_key(kind, kv_cache_dtype, block_size), tiles=tiles, kv_split_size=split, max_splits=max_splits,
+        always_partials=always_partials, grid=(tiles * max_splits, num_kv_heads, num_seqs),
         threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
-        kernel=_main(t, KV_CODE[kv.kv_cache_dtype], hd, vhd, shared),
+        kernel=_main(t, KV_CODE[kv_cache_dtype], hd, vhd, shared),
         reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None)
 
 
@@ -255,8 +274,7 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
         head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
         kv_split_size=plan.kv_split_size, max_splits=plan.max_splits, tiles=plan.tiles, vec_k=int(kv.vec_k),
         vec_v=int(kv.vec_v), **kv.strides)
-    dtype, pick = _params_packer()
-    p = np.array(pick(fields), dtype)  # struct PaParams, packed in one step
+    p = _packed_params(_params_packer()[1](fields))  # struct PaParams
     kernel = _kernel(plan, xp)
 
     def label():

@@ -29,6 +29,7 @@ from cupaged._checks import (
     check_ndim,
     check_writable,
     element_strides,
+    int64s,
     validate_enabled,
 )
 from cupaged._annotate import op_launch
@@ -152,7 +153,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
                    f"bs={block_size} {layout} {kv_dtype_name(kv_cache_dtype, key.dtype)}",
                    lambda: _write_cost(slot_mapping, 2 * num_kv_heads * head_size, key.itemsize, key_cache.itemsize)):
         kernel((num_tokens,), (threads,),
-               (key, value, key_cache, value_cache, slot_mapping, *scales, *(np.int64(s) for s in strides),
+               (key, value, key_cache, value_cache, slot_mapping, *scales, *int64s(strides),
                 np.int32(num_kv_heads), np.int32(head_size), np.int32(block_size)))
 
 
@@ -202,7 +203,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
                                                                            key.itemsize, key_cache.itemsize)):
         kernel((num_tokens,), (_threads(),),
                (key, value, key_cache, value_cache, slot_mapping, *scales,
-                *(np.int64(s) for s in kv_strides + kc + vc), np.int32(num_kv_heads), np.int32(head_size),
+                *int64s(kv_strides + kc + vc), np.int32(num_kv_heads), np.int32(head_size),
                 np.int32(block_size)))
 
 
@@ -243,6 +244,6 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
                    f"bs={block_size} {kv_dtype_name(kv_cache_dtype, kv_c.dtype)}",
                    lambda: _write_cost(slot_mapping, kv_lora_rank + rope_dim, kv_c.itemsize, kv_cache.itemsize)):
         kernel((num_tokens,), (_threads(),),
-               (kv_c, k_pe, kv_cache, slot_mapping, ptr, value, *(np.int64(s) for s in strides),
+               (kv_c, k_pe, kv_cache, slot_mapping, ptr, value, *int64s(strides),
                 np.int32(kv_lora_rank), np.int32(rope_dim), np.int32(block_size)))
 

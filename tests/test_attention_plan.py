@@ -131,3 +131,29 @@ def test_the_kernel_is_opted_in_for_shared_memory_once(monkeypatch):
         out = cupaged.paged_attention(**inputs, **options)
         assert_close(out, ref_out, F16, "out")
     assert sets == [("max_dynamic_shared_size_bytes", attention.smem_bytes(64, 64, False))]
+
+
+def test_memoized_views_and_plans_tell_layouts_apart():
+    """KvView.paged and plan_attention are memoized on what they read: a cache of the same shape and
+    strides at a misaligned address loses its 16-byte loads, another layout or cache dtype gets its
+    own geometry, and a plan follows every hint."""
+    raw = np.zeros(2 * 16 * 2 * 64 * 2 + 16, np.uint8)
+    aligned_at = (-raw.__array_interface__["data"][0]) % 16
+
+    def cache(offset):
+        return raw[offset:offset + 2 * 16 * 2 * 64 * 2].view(F16).reshape(2, 16, 2, 64)
+    q = np.zeros((1, 4, 64), F16)
+    aligned = cupaged.KvView.paged(cache(aligned_at), cache(aligned_at), q)
+    misaligned = cupaged.KvView.paged(cache(aligned_at + 2), cache(aligned_at + 2), q)
+    assert (aligned.vec_k, aligned.vec_v, misaligned.vec_k, misaligned.vec_v) == (True, True, False, False)
+    assert cupaged.KvView.paged(cache(aligned_at), cache(aligned_at), q).vec_k  # a hit keeps the aligned answer
+    hnd = cupaged.KvView.paged(cache(aligned_at), cache(aligned_at), q, layout="HND")
+    assert (hnd.block_size, hnd.num_kv_heads, hnd.strides["k_page_stride"]) == (2, 16, 64)
+    assert (aligned.block_size, aligned.num_kv_heads, aligned.strides["k_page_stride"]) == (16, 2, 128)
+    with pytest.raises(TypeError, match="key_cache must have dtype uint8"):  # the cached geometry is not reused
+        cupaged.KvView.paged(cache(aligned_at), cache(aligned_at), q, kv_cache_dtype="fp8")
+    tables, lens = np.zeros((1, 2), np.int32), np.ones(1, np.int32)
+    plans = [cupaged.plan_attention(q, aligned, tables, lens, max_seq_len=m, kv_split_size=s)
+             for m, s in ((None, 8), (16, 8), (None, 0))]
+    assert [p.max_splits for p in plans] == [4, 2, 1] and plans[0] is cupaged.plan_attention(
+        q, aligned, tables, lens, kv_split_size=8)

@@ -36,7 +36,7 @@ def test_nested_and_repeated_includes(tmp_path, monkeypatch):
     (tmp_path / "fam.cu").write_text('#include "a.cuh"\n#include "b.cuh"\nint c;\n')
     monkeypatch.setattr(_runtime, "kernels_dir", lambda: str(tmp_path))
     fam = KernelFamily.__new__(KernelFamily)
-    fam.stem, fam.name_expressions = "fam", ()
+    fam.stem, fam.name_expressions, fam._functions = "fam", (), {}
     src = fam.source
     assert src.count("int b;") == 1 and src.count("int a;") == 1 and "int c;" in src
     assert src.index("int b;") < src.index("int a;") < src.index("int c;")
@@ -128,7 +128,7 @@ def _tiny_family(tmp_path, monkeypatch, tag: str) -> KernelFamily:
     monkeypatch.setenv("CUPAGED_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("CUPAGED_QUIET", raising=False)
     fam = KernelFamily.__new__(KernelFamily)
-    fam.stem, fam.name_expressions = "tiny", ("k",)
+    fam.stem, fam.name_expressions, fam._functions = "tiny", ("k",), {}
     return fam
 
 
@@ -172,7 +172,7 @@ def test_cuda_compiles_one_instantiation_on_first_use(tmp_path, monkeypatch):
     monkeypatch.setattr(_runtime, "kernels_dir", lambda: str(tmp_path))
     monkeypatch.setenv("CUPAGED_QUIET", "1")
     fam = KernelFamily.__new__(KernelFamily)
-    fam.stem, fam.name_expressions = "two", ("k<1>", "k<2>", "k<3>")
+    fam.stem, fam.name_expressions, fam._functions = "two", ("k<1>", "k<2>", "k<3>"), {}
     first = fam.function("k<2>", cupy)
     assert cupy.compiled == [("k<2>",)]
     assert fam.function("k<2>", cupy) is first and cupy.compiled == [("k<2>",)]
