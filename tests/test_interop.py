@@ -33,8 +33,8 @@ class ArrayInterface:
         self.base, self.__array_interface__ = a, a.__array_interface__
 
 
-class CpuDLPack:
-    """A DLPack producer on the CPU (torch CPU tensors, JAX CPU arrays)."""
+class DLPackOnly:
+    """Exposes only DLPack, on the wrapped array's device (torch tensors, JAX arrays)."""
 
     def __init__(self, a):
         self.base = a
@@ -43,10 +43,10 @@ class CpuDLPack:
         return self.base.__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
-        return (1, 0)
+        return self.base.__dlpack_device__()
 
 
-class TorchLikeCpu(CpuDLPack):
+class TorchLikeCpu(DLPackOnly):
     """torch.Tensor on the CPU: its ``__cuda_array_interface__`` property raises AttributeError."""
 
     @property
@@ -61,7 +61,7 @@ def _foreign(value, i=0):
     if isinstance(value, np.ndarray) and value.dtype == ml_dtypes.bfloat16:  # as torch.bfloat16 exports it
         return _BFloat16DLPack(value.view(np.uint16))
     if isinstance(value, np.ndarray):
-        return (ArrayInterface, CpuDLPack, TorchLikeCpu)[i % 3](value)
+        return (ArrayInterface, DLPackOnly, TorchLikeCpu)[i % 3](value)
     return value
 
 
@@ -203,7 +203,7 @@ def test_up_proj_may_return_arrays_of_other_libraries():
     def run(data):
         call = prefill_call(data)
         up = call.kwargs["up_proj"]
-        result = call.fn(**{**call.kwargs, "up_proj": lambda rows: tuple(CpuDLPack(a) for a in up(rows))})
+        result = call.fn(**{**call.kwargs, "up_proj": lambda rows: tuple(DLPackOnly(a) for a in up(rows))})
         call.check(result)
     run()
 
@@ -219,23 +219,13 @@ def test_cuda_arrays_of_other_libraries_run_on_the_gpu_in_place():
         def __init__(self, a):
             self.base, self.__cuda_array_interface__ = a, a.__cuda_array_interface__
 
-    class CudaDL:
-        def __init__(self, a):
-            self.base = a
-
-        def __dlpack__(self, **kwargs):
-            return self.base.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self.base.__dlpack_device__()
-
     rng = np.random.default_rng(4)
     key_cache, value_cache = (np.full((8, 16, 2, 64), np.nan, np.float16) for _ in range(2))
     k, v = (rng.standard_normal((40, 2, 64)).astype(np.float16) for _ in range(2))
     slots = rng.permutation(8 * 16)[:40].astype(np.int64)
     want_k, want_v = cupaged.reference.reshape_and_cache_flash(k, v, key_cache, value_cache, slots)
     d_kc, d_vc = cupy.asarray(key_cache), cupy.asarray(value_cache)
-    cupaged.reshape_and_cache_flash(Cai(cupy.asarray(k)), CudaDL(cupy.asarray(v)), Cai(d_kc), CudaDL(d_vc),
+    cupaged.reshape_and_cache_flash(Cai(cupy.asarray(k)), DLPackOnly(cupy.asarray(v)), Cai(d_kc), DLPackOnly(d_vc),
                                     Cai(cupy.asarray(slots)))
     assert np.array_equal(d_kc.get().view(np.uint16), want_k.view(np.uint16))
     assert np.array_equal(d_vc.get().view(np.uint16), want_v.view(np.uint16))
@@ -243,7 +233,7 @@ def test_cuda_arrays_of_other_libraries_run_on_the_gpu_in_place():
                 layout="NHD", kv_cache_dtype="auto", causal=True, window=None, softcap=None, sinks=True,
                 alibi=False, decode=True)
     inputs, options, (ref_out, _) = build(case, seed=2)
-    wrapped = {name: (Cai, CudaDL)[i % 2](cupy.asarray(a)) if isinstance(a, np.ndarray) else a
+    wrapped = {name: (Cai, DLPackOnly)[i % 2](cupy.asarray(a)) if isinstance(a, np.ndarray) else a
                for i, (name, a) in enumerate({**inputs, **options}.items())}
     out = cupaged.paged_attention(**wrapped)
     assert isinstance(out, cupy.ndarray)
