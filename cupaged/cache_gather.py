@@ -197,12 +197,16 @@ def _check_mapping(block_mapping, xp, bounds, validate):
     host = isinstance(block_mapping, np.ndarray)
     if block_mapping.shape[0] and (host or validate_enabled(validate)):
         ids = host_copy(block_mapping)
-        for name, src_blocks, dst_blocks in bounds:
-            for col, what, n in ((0, "source", src_blocks), (1, "destination", dst_blocks)):
-                bad = np.flatnonzero((ids[:, col] < 0) | (ids[:, col] >= n))
-                if bad.size:
-                    raise ValueError(f"block_mapping[{bad[0]}] has {what} block {ids[bad[0], col]}, outside "
-                                     f"{name}'s {n} blocks")
+        src_max, dst_max = ids.max(axis=0)
+        # One pass over the ids against the smallest caches; only a failure looks for the first bad entry.
+        if bounds and (ids.min() < 0 or src_max >= min(b[1] for b in bounds)
+                       or dst_max >= min(b[2] for b in bounds)):
+            for name, src_blocks, dst_blocks in bounds:
+                for col, what, n in ((0, "source", src_blocks), (1, "destination", dst_blocks)):
+                    bad = np.flatnonzero((ids[:, col] < 0) | (ids[:, col] >= n))
+                    if bad.size:
+                        raise ValueError(f"block_mapping[{bad[0]}] has {what} block {ids[bad[0], col]}, outside "
+                                         f"{name}'s {n} blocks")
     if host and xp is not np:
         return xp.asarray(block_mapping)
     return block_mapping
@@ -225,22 +229,24 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
                              f"got {len(value_caches)}")
         names += [f"value_caches[{i}]" for i in range(len(value_caches))]
     xp = array_module(**dict(zip(names, caches)))
+    block_bytes = []
     for name, cache in zip(names, caches):
         check_writable(name, cache)
         if cache.ndim < 2:
             raise ValueError(f"{name} must be [num_blocks, ...], got shape {tuple(cache.shape)}")
-        _row_contiguous(name, cache, 1)
+        block_bytes.append(_row_contiguous(name, cache, 1))
     mapping = _check_mapping(block_mapping, xp, [(n, c.shape[0], c.shape[0]) for n, c in zip(names, caches)], validate)
-    if mapping.shape[0] == 0:
+    pairs = mapping.shape[0]
+    if pairs == 0:
         return
-    for cache in caches:
-        block_bytes = cache[0].nbytes
-        word = _word_size((cache,), (cache.strides[0],), block_bytes)
-        kernel = FAMILY.function(_words("copy_blocks_kernel", word), xp)
-        with op_launch(xp, "copy_blocks", lambda: f"pairs={mapping.shape[0]} block={block_bytes}B",
-                       lambda: Cost(2 * mapping.shape[0] * block_bytes + mapping.nbytes, 0)):
-            kernel((mapping.shape[0],), (_threads(),),
-                   (cache, mapping, np.int64(cache.strides[0] // word), np.int64(block_bytes // word)))
+    words = [_word_size((c,), (c.strides[0],), n) for c, n in zip(caches, block_bytes)]
+    kernels = {w: FAMILY.function(_words("copy_blocks_kernel", w), xp) for w in set(words)}  # not one per layer
+    threads = _threads()
+    for cache, nbytes, word in zip(caches, block_bytes, words):
+        with op_launch(xp, "copy_blocks", lambda: f"pairs={pairs} block={nbytes}B",
+                       lambda: Cost(2 * pairs * nbytes + mapping.nbytes, 0)):
+            kernels[word]((pairs,), (threads,), (cache, mapping, np.int64(cache.strides[0] // word),
+                                                 np.int64(nbytes // word)))
 
 
 @accepts_foreign_arrays

@@ -51,11 +51,11 @@ def _check_lse(name, a, num_heads, num_tokens):
                          f"(natural-log LSE, vLLM / FlashAttention layout), got shape {tuple(a.shape)}{hint}")
 
 
-def _span(a):
-    """[lo, hi) bytes an array's elements can touch, or None for an empty array."""
+def _span(a, start):
+    """[lo, hi) bytes an array's elements can touch, its first element at ``start``; None when empty."""
     if a.size == 0:
         return None
-    lo = hi = address(a)
+    lo = hi = start
     for n, s in zip(a.shape, a.strides):
         if s < 0:
             lo += s * (n - 1)
@@ -64,27 +64,30 @@ def _span(a):
     return lo, hi + a.itemsize
 
 
-def _same_view(a, b) -> bool:
-    return address(a) == address(b) and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
-
-
-def _check_no_overlap(arrays, in_place):
+def _check_no_overlap(arrays, in_place) -> dict:
     """Written arrays must not share memory with any other argument, except as the very same view
-    of one input (merging in place, which the kernel supports)."""
+    of one input (merging in place, which the kernel supports). Returns each given array's address:
+    each is read once (a numpy address builds the __array_interface__ dict), the spans compared as
+    intervals."""
     written = ("output", "output_lse")
-    names = [n for n, a in arrays.items() if a is not None]
+    where = {n: address(a) for n, a in arrays.items() if a is not None}
+    spans = {n: _span(arrays[n], start) for n, start in where.items()}
+    names = list(where)
     for i, name in enumerate(names):
         for other in names[i + 1:]:
             if name not in written and other not in written:
                 continue
-            a, b = arrays[name], arrays[other]
-            if _same_view(a, b) and (name, other) in in_place:
+            sa, sb = spans[name], spans[other]
+            if sa is None or sb is None or sa[0] >= sb[1] or sb[0] >= sa[1]:
                 continue
-            sa, sb = _span(a), _span(b)
-            if sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]:
-                raise ValueError(f"{name} overlaps {other} in memory: pass separate buffers, or to merge in place "
-                                 f"pass the very same array (output as prefix_output or suffix_output, output_lse "
-                                 f"as prefix_lse or suffix_lse)")
+            a, b = arrays[name], arrays[other]
+            if (name, other) in in_place and where[name] == where[other] and a.shape == b.shape and \
+                    a.strides == b.strides and a.dtype == b.dtype:
+                continue
+            raise ValueError(f"{name} overlaps {other} in memory: pass separate buffers, or to merge in place "
+                             f"pass the very same array (output as prefix_output or suffix_output, output_lse "
+                             f"as prefix_lse or suffix_lse)")
+    return where
 
 
 @accepts_foreign_arrays
@@ -131,8 +134,8 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
                          f"{prefill_tokens_with_context}")
     check_writable("output", output)
     check_writable("output_lse", output_lse)
-    _check_no_overlap(arrays, {("output", "prefix_output"), ("output", "suffix_output"),
-                               ("output_lse", "prefix_lse"), ("output_lse", "suffix_lse")})
+    where = _check_no_overlap(arrays, {("output", "prefix_output"), ("output", "suffix_output"),
+                                       ("output_lse", "prefix_lse"), ("output_lse", "suffix_lse")})
     rows = num_tokens * num_heads
     if rows >= 2**31:
         raise NotImplementedError(f"output: num_tokens * num_heads must be below 2^31, got {rows}")
@@ -143,7 +146,7 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
     if rows == 0 or head_size == 0:
         return None
     pack = 16 // output.itemsize
-    vec = all(address(a) % 16 == 0 for a in (output, prefix_output, suffix_output)) and \
+    vec = all(where[n] % 16 == 0 for n in ("output", "prefix_output", "suffix_output")) and \
         all(s % pack == 0 for s in strides)
     threads = constants(FAMILY.source, "MERGE_THREADS")["MERGE_THREADS"]  # per CTA, the kernel's __launch_bounds__
     threads_per_row = min(head_size // pack, threads)
@@ -158,6 +161,6 @@ def merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_l
                    cost):
         kernel((-(-rows // rows_per_cta),), (threads_per_row, rows_per_cta),
                (output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
-                *(np.int64(s) for s in strides + lse_strides),
-                np.int32(num_tokens), np.int32(num_heads), np.int32(head_size), np.int32(prefill_tokens_with_context)))
+                *np.array(strides + lse_strides, np.int64),  # one conversion, not twelve np.int64 calls
+                *np.array((num_tokens, num_heads, head_size, prefill_tokens_with_context), np.int32)))
     return None

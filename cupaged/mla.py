@@ -3,6 +3,8 @@ chunked-context prefill driver composing gather, up-projection, varlen attention
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays, as_native
@@ -10,7 +12,7 @@ from cupaged._attention_args import check_out, check_q, check_tables, validate_o
 from cupaged._cache_args import cache_dtype, check_index, check_scale_values, scale_args
 from cupaged._checks import check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
     check_optional_int, check_writable, validate_enabled
-from cupaged._backend import array_kind, array_module, empty, host_copy, module_of
+from cupaged._backend import array_kind, array_module, empty, host_copy, module_of, upload
 from cupaged.attention import MLA_BUCKET, KvView, carve_workspace, plan_attention, run_attention
 from cupaged.cache_gather import gather_and_maybe_dequant_cache
 from cupaged.merge_attn_states import merge_attn_states
@@ -98,30 +100,44 @@ def mla_chunked_prefill(q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, c
     -> (k, v)`` (caller-supplied: no weights live in cupaged; it must return k ``[n, num_kv_heads,
     qk_head_size]`` and v ``[n, num_kv_heads, v_head_size]`` in q's dtype), non-causal
     dense varlen attention with LSE (as ``varlen_attention``), merged into the running state with ``merge_attn_states``; finally
-    causal attention over the new tokens, merged last. Every input is checked before the first
-    launch. Returns out ``[total_q, num_heads, v_head_size]`` (and LSE)."""
+    causal attention over the new tokens, merged last. The running state is ``out`` itself, merged in
+    place, and the scratch (LSEs, a partial output, split partials) is allocated once per call; with
+    one chunk the new tokens' partial output reuses the workspace, whose contents are scratch on
+    return. Every input is checked before the first launch (an ``up_proj`` result failing its check
+    may leave ``out`` partly written). Returns out ``[total_q, num_heads, v_head_size]`` (and LSE)."""
     xp = array_module(q=q, k_new=k_new, v_new=v_new, kv_cache=kv_cache, block_tables=block_tables,
                       cu_seqlens_q=cu_seqlens_q, out=out, workspace=workspace)
     plan = _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj,
                                   workspace_tokens, scale, kv_cache_dtype, k_scale, workspace, out, validate)
     return_lse = check_bool("return_lse", return_lse)
-    workspace = plan["workspace"] if workspace is None else workspace
-    batch, kv_shapes = plan["batch"], plan["kv_shapes"]
-    state = None
-    for seq_starts, lens in plan["chunks"]:
-        cu_k = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        n = int(cu_k[-1])
-        rows = workspace[:n]
-        gather_and_maybe_dequant_cache(kv_cache, rows, block_tables, xp.asarray(cu_k),
-                                       xp.asarray(np.repeat(np.arange(batch, dtype=np.int32), lens)), n,
-                                       kv_cache_dtype, k_scale, xp.asarray(seq_starts), validate=False)
-        k_c, v_c = _up_projected(up_proj, rows, n, kv_shapes, q.dtype)
-        part = _attend(q, k_c, v_c, cu_seqlens_q, xp.asarray(cu_k), False, int(lens.max()), scale)
-        state = part if state is None else _merge(xp, state, part)
-    new = _attend(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, True, None, scale, out if state is None else None)
-    if state is not None:
-        new = _merge(xp, state, new, out=out)
-    return new if return_lse else new[0]
+    total_q, num_heads = q.shape[:2]
+    chunks, batch = plan["chunks"], plan["batch"]
+    if out is None:
+        out = empty(xp, (total_q, num_heads, v_new.shape[2]), q.dtype)
+    # [num_heads, total_q] each: the running state's LSE, and the part merged into it (one allocation)
+    lses = empty(xp, (1 + bool(chunks), num_heads, total_q), np.float32) if chunks or return_lse else None
+    lse = None if lses is None else lses[0]
+    if chunks:
+        workspace, part = _buffers(xp, workspace, plan["workspace_rows"], kv_cache.shape[2],
+                                   (total_q, num_heads, v_new.shape[2]), q.dtype, len(chunks) == 1)
+        index = upload(xp, plan["index"], "mla_chunked_prefill's chunk plan")
+        partials = None
+        for i, (n, max_len, at) in enumerate(chunks):
+            cu_k, seq_starts = index[at:at + batch + 1], index[at + batch + 1:at + 2 * batch + 1]
+            rows = workspace[:n]
+            gather_and_maybe_dequant_cache(kv_cache, rows, block_tables, cu_k, index[at + 2 * batch + 1:][:n], n,
+                                           kv_cache_dtype, k_scale, seq_starts, validate=False)
+            k_c, v_c = _up_projected(up_proj, rows, n, plan["kv_shapes"], q.dtype)
+            # the first chunk's state is the running state; each later one merges into it in place
+            into = (out, lse) if i == 0 else (part, lses[1])
+            partials = _attend(q, k_c, v_c, cu_seqlens_q, cu_k, False, max_len, scale, *into, partials)
+            if i:
+                merge_attn_states(out, out, lse, part, lses[1], lse)
+        _attend(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, True, None, scale, part, lses[1])
+        merge_attn_states(out, out, lse, part, lses[1], lse if return_lse else None)
+    else:
+        _attend(q, k_new, v_new, cu_seqlens_q, cu_seqlens_q, True, None, scale, out, lse)
+    return (out, lse) if return_lse else out
 
 
 def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqlens_q, context_lens, up_proj,
@@ -184,22 +200,48 @@ def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqle
         validate_tables(block_tables, contexts.astype(np.int32), None, num_blocks, block_size, batch)
         check_scale_values(kv_cache_dtype, k_scale=k_scale)
     tokens = int(workspace_tokens) if workspace is None else workspace.shape[0]
-    return dict(batch=batch, kv_shapes=((num_kv_heads, qk_head_size), (num_kv_heads, v_head_size)),
-                chunks=_chunks(contexts, tokens),
-                workspace=empty(xp, (min(tokens, int(contexts.sum())), latent), q.dtype) if workspace is None else None)
+    chunks, index = _chunks(contexts, tokens)
+    return dict(batch=batch, kv_shapes=((num_kv_heads, qk_head_size), (num_kv_heads, v_head_size)), chunks=chunks,
+                index=index, workspace_rows=min(tokens, int(contexts.sum())))
 
 
 def _chunks(contexts, tokens):
-    """(seq_starts int32 [batch], lens [batch]) per chunk of the batch's context tokens taken sequence after
-    sequence, ``tokens`` at a time."""
+    """The batch's context tokens taken sequence after sequence, ``tokens`` at a time: (n, max_len,
+    offset) per chunk (its tokens, its longest sequence's) and one int32 host array holding at each
+    offset the chunk's cu_seqlens_k [batch + 1], seq_starts [batch] and token_to_seq [n], uploaded once."""
     ends = np.cumsum(contexts)
     starts = ends - contexts
-    plan = []
-    for lo in range(0, int(ends[-1]) if ends.size else 0, tokens):
+    total, batch = (int(ends[-1]) if ends.size else 0), contexts.shape[0]
+    los = range(0, total, tokens)
+    index = np.empty(len(los) * (2 * batch + 1) + total, np.int32)
+    seqs = np.arange(batch, dtype=np.int32)
+    plan, at = [], 0
+    for lo in los:
         hi = lo + tokens
-        first, last = np.clip(starts, lo, hi), np.clip(ends, lo, hi)
-        plan.append(((first - starts).astype(np.int32), last - first))
-    return plan
+        first, last = np.minimum(np.maximum(starts, lo), hi), np.minimum(np.maximum(ends, lo), hi)
+        lens, n = last - first, min(tokens, total - lo)
+        index[at] = 0
+        np.cumsum(lens, out=index[at + 1:at + batch + 1])
+        index[at + batch + 1:at + 2 * batch + 1] = first - starts
+        index[at + 2 * batch + 1:at + 2 * batch + 1 + n] = np.repeat(seqs, lens)
+        plan.append((n, int(lens.max()), at))
+        at += 2 * batch + 1 + n
+    return plan, index
+
+
+def _buffers(xp, workspace, rows, latent, part_shape, dtype, one_chunk):
+    """(latent workspace [rows, latent], part [total_q, num_heads, v_head_size]) with one allocation at
+    most. With one chunk the part is needed only once the latent rows are dead (the new tokens'
+    attention), so it shares their memory: the caller's workspace where it is contiguous and large
+    enough, else one buffer sized for the larger of the two."""
+    part_size = math.prod(part_shape)
+    if workspace is not None and one_chunk and workspace.flags.c_contiguous and workspace.size >= part_size:
+        return workspace, workspace.reshape(-1)[:part_size].reshape(part_shape)
+    own = 0 if workspace is not None else rows * latent
+    flat = empty(xp, (max(own, part_size) if one_chunk else own + part_size,), dtype)
+    if workspace is None:
+        workspace = flat[:own].reshape(rows, latent)
+    return workspace, flat[0 if one_chunk else own:][:part_size].reshape(part_shape)
 
 
 def _up_projected(up_proj, rows, n, kv_shapes, dtype):
@@ -216,23 +258,19 @@ def _up_projected(up_proj, rows, n, kv_shapes, dtype):
     return result
 
 
-def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, max_seqlen_k, scale, out=None):
-    """Dense varlen attention of checked arguments, planned and run: (out, LSE)."""
+def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, max_seqlen_k, scale, out, lse, partials=None):
+    """Dense varlen attention of checked arguments into out (and lse), planned and run. ``partials``:
+    a uint8 buffer for split partials, reused across chunks; returns it, grown if this plan needs more."""
     for name, a in (("k", k), ("v", v)):
         check_last_contiguous(f"up_proj's {name}" if max_seqlen_k else f"{name}_new", a)
-    out = check_out(out, q, "out", shape=(*q.shape[:2], v.shape[2]))
-    lse = empty(module_of(q), q.shape[1::-1], np.float32)
     if q.shape[0] == 0 or cu_seqlens_q.shape[0] == 1:
-        lse[...] = -np.inf
-        return out, lse
+        if lse is not None:
+            lse[...] = -np.inf
+        return partials
     kv = KvView.dense(k, v)
     plan = plan_attention(q, kv, None, cu_seqlens_k, cu_seqlens_q, max_seq_len=max_seqlen_k)
-    run_attention(plan, q, kv, out, lse, None, cu_seqlens_k, cu_seqlens_q, scale=scale, causal=causal)
-    return out, lse
-
-
-def _merge(xp, prefix, suffix, out=None):
-    output = empty(xp, prefix[0].shape, prefix[0].dtype) if out is None else out
-    output_lse = empty(xp, prefix[1].shape, prefix[1].dtype)
-    merge_attn_states(output, prefix[0], prefix[1], suffix[0], suffix[1], output_lse)
-    return output, output_lse
+    if plan.partial_shapes is not None and (partials is None or partials.size < plan.workspace_bytes):
+        partials = empty(module_of(q), (plan.workspace_bytes,), np.uint8)
+    run_attention(plan, q, kv, out, lse, None, cu_seqlens_k, cu_seqlens_q, scale=scale, causal=causal,
+                  partials=carve_workspace(partials, plan))
+    return partials

@@ -265,6 +265,20 @@ def test_copy_blocks_device_mapping_and_bad_input(backend):
     assert_bytes_equal(backend.to_numpy(key), before, "key cache after rejected calls")
 
 
+def test_copy_blocks_mapping_checked_per_cache(backend):
+    """A host mapping is checked against each cache's own block count, the first bad entry named
+    (the ids fit the larger cache; only the smaller one rejects row 1's source), and nothing is
+    copied; with no caches at all there is nothing to check or copy."""
+    big, small = (backend.asarray(np.arange(n * 8, dtype=np.float32).reshape(n, 8)) for n in (12, 6))
+    with pytest.raises(ValueError, match=r"block_mapping\[1\] has source block 7, outside key_caches\[1\]'s 6 blocks"):
+        cupaged.copy_blocks([big, small], None, np.array([[1, 2], [7, 3], [2, 8]], np.int64))
+    with pytest.raises(ValueError, match=r"block_mapping\[2\] has destination block 6, outside value_caches\[0\]"):
+        cupaged.copy_blocks([big], [small], np.array([[1, 2], [0, 3], [2, 6]], np.int64))
+    assert (backend.to_numpy(big)[:, 0] == np.arange(12) * 8).all()
+    assert (backend.to_numpy(small)[:, 0] == np.arange(6) * 8).all()
+    cupaged.copy_blocks([], None, np.array([[0, 1]], np.int64))
+
+
 def test_swap_blocks_host_host():
     rng = np.random.default_rng(9)
     src = rng.standard_normal((6, 16, 2, 64)).astype(np.float16)

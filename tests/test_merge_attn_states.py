@@ -304,6 +304,23 @@ def test_partial_overlap_is_rejected(backend):
     assert not backend.to_numpy(big).any() and not backend.to_numpy(lse_buf).any()
 
 
+def test_overlap_edge_cases(backend):
+    """What the interval comparison of each array's byte span must keep: a view at an input's very
+    address but with other strides, and a reversed (negative-stride) view, are overlaps; inputs
+    sharing memory (only read) are not."""
+    a = _valid(backend)
+    twice = backend.asarray(np.zeros((34, NUM_HEADS, 64), np.float16))
+    with pytest.raises(ValueError, match="output overlaps prefix_output"):
+        merge_attn_states(**{**a, "output": twice[:17], "prefix_output": twice[::2]})
+    lse_buf = backend.asarray(np.zeros((NUM_HEADS, 17), np.float32))
+    with pytest.raises(ValueError, match="output_lse overlaps suffix_lse"):
+        merge_attn_states(**{**a, "suffix_lse": lse_buf, "output_lse": lse_buf[:, ::-1]})
+    assert not backend.to_numpy(twice).any() and not backend.to_numpy(lse_buf).any()
+    po, pl, _, _ = states(np.random.default_rng(12), 17, NUM_HEADS, 64, np.float16)
+    got, got_lse = run(backend, po, pl, po, pl)
+    check(got, got_lse, po, pl, po, pl)
+
+
 def test_read_only_output_is_rejected():
     a = _valid(types.SimpleNamespace(asarray=np.asarray))
     a["output"].setflags(write=False)

@@ -155,6 +155,41 @@ def test_mla_chunked_prefill_matches_one_shot_attention(backend, kv_cache_dtype,
     assert_close(backend.to_numpy(lse), ref_lse, "lse", "lse")
 
 
+@pytest.mark.parametrize("contexts, workspace_tokens, allocations", [
+    ([30, 0, 17], 64, 1),      # one chunk: the LSE pair; the new tokens' part lives in the dead latent rows
+    ([200, 5, 131], 48, 2),    # eight chunks: + one part buffer, not one per chunk
+    ([1500, 700], 1024, 3),    # split attention in two chunks: + one partials buffer for both
+], ids=["one chunk", "several", "split chunks"])
+def test_mla_chunked_prefill_allocates_per_call_not_per_chunk(backend, monkeypatch, contexts, workspace_tokens,
+                                                              allocations):
+    """With out= and workspace= given, the running state is merged in place into out and every
+    scratch buffer serves all chunks (before: each chunk and the new tokens allocated an output and
+    an LSE, and each merge another pair). Bit for bit the result of a call given neither."""
+    import cupaged.attention
+    import cupaged.mla
+
+    rng = np.random.default_rng(11)
+    cache, table, _ = latent_pool(rng, contexts, 16, np.float16, "auto")
+    up = UpProjection(rng, 4, np.float16)
+    cu_q = np.concatenate([[0], np.cumsum([3, 6, 1][:len(contexts)])]).astype(np.int32)
+    q = (rng.standard_normal((cu_q[-1], 4, 192)) * 0.5).astype(np.float16)
+    k_new, v_new = up(rng.standard_normal((cu_q[-1], RANK + ROPE)).astype(np.float16))
+    args = [backend.asarray(a) for a in (q, k_new, v_new, cache, table, cu_q)]
+    want, want_lse = cupaged.mla_chunked_prefill(*args, np.array(contexts), up, workspace_tokens=workspace_tokens,
+                                                 return_lse=True)
+    shapes = []
+    for module in (cupaged.mla, cupaged.attention):
+        monkeypatch.setattr(module, "empty", lambda xp, shape, dtype, real=module.empty: shapes.append(shape) or
+                            real(xp, shape, dtype))
+    out = backend.empty(want.shape, np.float16)
+    got, lse = cupaged.mla_chunked_prefill(*args, np.array(contexts), up, out=out, return_lse=True,
+                                           workspace=backend.empty((workspace_tokens, RANK + ROPE), np.float16))
+    assert len(shapes) == allocations, shapes
+    assert got is out
+    assert np.array_equal(backend.to_numpy(got).view(np.uint16), backend.to_numpy(want).view(np.uint16))
+    assert np.array_equal(backend.to_numpy(lse), backend.to_numpy(want_lse))
+
+
 def test_mla_chunked_prefill_bad_input(backend):
     rng = np.random.default_rng(1)
     cache, table, _ = latent_pool(rng, [10, 20], 16, np.float16, "auto")
