@@ -43,6 +43,13 @@ class KvView:
     vec_k: bool
     vec_v: bool
 
+    @property
+    def decodable(self) -> bool:
+        """The decode kernel can read it: K and V rows of one head size, contiguous and 16-byte aligned
+        (flash NHD / HND caches and dense rows; not the vLLM layout or MLA's shared rows)."""
+        return (self.kind != "mla" and self.head_size == self.v_head_size and self.vec_k and self.vec_v
+                and self.strides["v_dim_stride"] == 1)
+
     @functools.cached_property
     def key_id(self) -> str:
         """What a plan made for this K/V depends on: its kind, cache dtype and block size."""

@@ -18,7 +18,7 @@ import operator
 import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays, passes_as_is
-from cupaged._annotate import declare_launch, op_range
+from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, struct_arg
 from cupaged._cache_args import KV_CODE, KV_KINDS, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, address, element_strides
@@ -43,17 +43,23 @@ def _reduce(t):
     return f"cupaged::paged_attention_reduce_kernel<{t}>"
 
 
+def _decode(t, kv, hd):
+    return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}>"
+
+
 FAMILY = KernelFamily("paged_attention", [
     *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
     *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
     *(_reduce(t) for t in _TYPES),
+    *(_decode(t, kv, hd) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
 ])
+ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_constants() -> dict[str, int]:
-    """PA_THREADS, PA_ROWS, PA_TILE as kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE")
+    """PA_* and PD_* (the decode kernel's) as kernels_cu/paged_attention.cu defines them."""
+    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_ROWS", "PD_TILE", "PD_MAX_Q")
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,6 +91,15 @@ def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
     return 4 * (rows * hd + kv + rows * tile + 3 * rows)
 
 
+def decode_smem_bytes(cache_itemsize: int, hd: int) -> int:
+    """Dynamic shared memory of the decode kernel: PdSmem<CacheT, HD>::BYTES (its pipeline stages, or
+    the warps' merge area when larger)."""
+    c = kernel_constants()
+    stage = 2 * c["PD_TILE"] * hd * cache_itemsize
+    stages = 4 if 4 * stage <= 65536 else 3 if 3 * stage <= 98304 else 2
+    return max(stages * stage, 4 * c["PD_ROWS"] * (hd + 2) * 4)
+
+
 @passes_as_is
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan:
@@ -107,8 +122,13 @@ class AttentionPlan:
     grid: tuple
     threads: int
     shared_mem: int
-    kernel: str                # name expressions
+    kernel: str | None         # name expressions; kernel None: the decode kernel takes every row
     reduce_kernel: str | None
+    decode_kernel: str | None = None  # paged_decode_kernel for sequences with q_len <= decode_max_q
+    decode_grid: tuple = ()
+    decode_shared_mem: int = 0
+    decode_tiles: int = 0      # the decode grid's row tiles, PD_ROWS rows each
+    decode_max_q: int = 0      # 0: no decode kernel; ALL_ROWS: it takes every sequence
 
     @property
     def partial_shapes(self):
@@ -117,6 +137,18 @@ class AttentionPlan:
             return None
         rows = (self.num_tokens, self.num_heads, self.max_splits)
         return rows, rows, (*rows, self.v_head_size)
+
+    @property
+    def main_launches(self):
+        """(kernel, grid, threads, shared_mem) of the main kernels, in launch order: the decode kernel for
+        short query runs, then paged_attention_kernel for the rest."""
+        launches = []
+        if self.decode_kernel is not None:
+            launches.append((self.decode_kernel, self.decode_grid, kernel_constants()["PD_THREADS"],
+                             self.decode_shared_mem))
+        if self.kernel is not None:
+            launches.append((self.kernel, self.grid, self.threads, self.shared_mem))
+        return launches
 
     @property
     def workspace_bytes(self) -> int:
@@ -176,59 +208,71 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
     return _plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
                  kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
                  query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
-                 sm_count(module_of(q)))
+                 sm_count(module_of(q)), kv.decodable)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, block_size, table_width, index_len,
-          decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, sms) -> AttentionPlan:
+          decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, sms,
+          decodable) -> AttentionPlan:
     num_tokens, num_heads, head_size = q_shape
     dense = table_width is None
     num_seqs = index_len - (1 if dense else 0)
     consts = kernel_constants()
     group = num_heads // num_kv_heads
     max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
+    # Sequences whose query run is short take the decode kernel; with a hint saying every run is short it
+    # takes them all (an understated hint stays correct), else the longer ones take paged_attention_kernel.
+    decode_max_q = 0 if not decodable else ALL_ROWS if max_q <= consts["PD_MAX_Q"] else consts["PD_MAX_Q"]
+    decode_tiles = -(-min(max_q, consts["PD_MAX_Q"]) * group // consts["PD_ROWS"]) if decode_max_q else 0
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
-    split = _split_for(sms, num_seqs * num_kv_heads * tiles, max_kv) if kv_split_size is None else kv_split_size
+    ctas = num_seqs * num_kv_heads * (decode_tiles if decode_max_q == ALL_ROWS else tiles)
+    split = _split_for(sms, ctas, max_kv) if kv_split_size is None else kv_split_size
     if max_splits is None:
         max_splits = max(1, -(-max_kv // split)) if split else 1
     split = split if max_splits > 1 else 0
-    t = CTYPE[q_dtype]
+    t, kv = CTYPE[q_dtype], KV_CODE[kv_cache_dtype]
     shared = kind == "mla"
     hd, vhd = MLA_BUCKET if shared else (next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)),) * 2
+    cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
     return AttentionPlan(
         op="mla_decode" if shared else "decode" if decode else "prefill", num_tokens=num_tokens, num_heads=num_heads,
         num_seqs=num_seqs, num_kv_heads=num_kv_heads, head_size=head_size, v_head_size=v_head_size, dtype=t,
         kv=kv_key(kind, kv_cache_dtype, block_size), tiles=tiles, kv_split_size=split, max_splits=max_splits,
         always_partials=always_partials, grid=(tiles * max_splits, num_kv_heads, num_seqs),
         threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
-        kernel=_main(t, KV_CODE[kv_cache_dtype], hd, vhd, shared),
-        reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None)
+        kernel=None if decode_max_q == ALL_ROWS else _main(t, kv, hd, vhd, shared),
+        reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None,
+        decode_kernel=_decode(t, kv, hd) if decode_max_q else None,
+        decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_max_q else (),
+        decode_shared_mem=decode_smem_bytes(cache_itemsize, hd) if decode_max_q else 0,
+        decode_tiles=decode_tiles, decode_max_q=decode_max_q)
 
 
 def check_fits(plan: AttentionPlan, limit: int, device: str = "this GPU") -> None:
     """The plan's dynamic shared memory against the device's opt-in limit per block: a clear error
     before the launch (MLA's 576/512 tiles need ~113 KB; sm_86 / sm_89 allow 99 KB)."""
-    if plan.shared_mem > limit:
-        raise NotImplementedError(
-            f"{plan.kernel} needs {plan.shared_mem} bytes of shared memory per block; {device} allows {limit} "
-            f"(sm_80: 163 KB, sm_86/sm_89: 99 KB, sm_90: 227 KB): use a GPU with more shared memory per block")
+    for name, _, _, need in plan.main_launches:
+        if need > limit:
+            raise NotImplementedError(
+                f"{name} needs {need} bytes of shared memory per block; {device} allows {limit} "
+                f"(sm_80: 163 KB, sm_86/sm_89: 99 KB, sm_90: 227 KB): use a GPU with more shared memory per block")
 
 
 _OPTED_IN: dict = {}  # id(kernel) -> (kernel, bytes): the dynamic shared memory it was opted in for
 
 
-def _kernel(plan: AttentionPlan, xp):
-    """The plan's main kernel, opted in for its shared memory once (the attribute is a driver call on
-    a GPU), after checking that the device can give it."""
-    kernel = FAMILY.function(plan.kernel, xp)
+def _kernel(plan: AttentionPlan, name: str, shared_mem: int, xp):
+    """One of the plan's main kernels, opted in for its shared memory once (the attribute is a driver
+    call on a GPU), after checking that the device can give it."""
+    kernel = FAMILY.function(name, xp)
     opted = _OPTED_IN.get(id(kernel))
-    if opted is None or opted[1] < plan.shared_mem:
+    if opted is None or opted[1] < shared_mem:
         if xp is not np:
             check_fits(plan, *device_shared_limit(xp))
-        kernel.max_dynamic_shared_size_bytes = plan.shared_mem
-        _OPTED_IN[id(kernel)] = (kernel, plan.shared_mem)
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+        _OPTED_IN[id(kernel)] = (kernel, shared_mem)
     return kernel
 
 
@@ -237,6 +281,9 @@ def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
     got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
+    if plan.decode_kernel is not None and not kv.decodable:
+        raise ValueError("run_attention: the plan routes rows to the decode kernel, which needs K/V rows that are "
+                         "contiguous and 16-byte aligned; this kv's are not: plan with this kv")
 
 
 @accepts_foreign_arrays
@@ -273,9 +320,8 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
         num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
         head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
         kv_split_size=plan.kv_split_size, max_splits=plan.max_splits, tiles=plan.tiles, vec_k=int(kv.vec_k),
-        vec_v=int(kv.vec_v), **kv.strides)
+        vec_v=int(kv.vec_v), decode_tiles=plan.decode_tiles, decode_max_q=plan.decode_max_q, **kv.strides)
     p = _packed_params(_params_packer()[1](fields))  # struct PaParams
-    kernel = _kernel(plan, xp)
 
     def label():
         return (f"b={plan.num_seqs} t={plan.num_tokens} h={plan.num_heads}/{plan.num_kv_heads} d={plan.head_size} "
@@ -293,11 +339,12 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
                               lse=lse is not None, shared_kv=kv.kind == "mla",
                               query_start_loc=query_start_loc is not None)
 
+    args = (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, sinks, alibi_slopes, k_ptr, v_ptr, out, lse,
+            max_logits, exp_sums, tmp_output, struct_arg(p, xp))
     with op_range(plan.op, label):
-        with declare_launch(xp, plan.op, label, cost):
-            kernel(plan.grid, (plan.threads,),
-                   (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, sinks, alibi_slopes, k_ptr, v_ptr,
-                    out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp)), shared_mem=plan.shared_mem)
+        for i, (name, grid, threads, shared_mem) in enumerate(plan.main_launches):
+            with declare_launch(xp, plan.op, label, cost) if i == 0 else _OFF:  # the op's cost, declared once
+                _kernel(plan, name, shared_mem, xp)(grid, (threads,), args, shared_mem=shared_mem)
         if plan.reduce_kernel is not None:  # sequences with one split were finished above
             reduce = FAMILY.function(plan.reduce_kernel, xp)
             reduce((plan.num_tokens, plan.num_heads), (plan.threads,),

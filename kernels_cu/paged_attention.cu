@@ -90,6 +90,8 @@ struct PaParams {
   int scale_per_head, causal, window, always_partials, partials_in_out_type;
   int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits, tiles;
   int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
+  int decode_tiles;  // paged_decode_kernel's grid: row tiles of PD_ROWS (as tiles is paged_attention_kernel's)
+  int decode_max_q;  // sequences with q_len <= decode_max_q are paged_decode_kernel's, the rest the other's
 };
 
 // Up to X elements (stride apart; `left` remain in the row) of a cache row as float32: one 16-byte
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
   const int q_len = query_start_loc ? query_start_loc[seq + 1] - q_start : 1;
   const int group = p.num_heads / p.num_kv_heads;
   const PaSplits splits = pa_splits(seq_len, p);
-  if (split >= splits.count) return;  // idle CTA of a shape-sized grid
+  if (split >= splits.count || q_len <= p.decode_max_q) return;  // idle CTA of a shape-sized grid, or decode's
   const int split_lo = split * splits.size, split_hi = min(seq_len, split_lo + splits.size) - 1;
   // Tiles of PA_ROWS rows, p.tiles apart: the grid is sized from the max_query_len hint, and a sequence
   // with more rows than the hint said still has every row computed (by its CTAs' later iterations).
@@ -374,6 +376,253 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
       }
     }
     __syncthreads();  // the next tile rewrites rows, q and the row statistics
+  }
+}
+
+
+// ---- The decode kernel: sequences whose query run is short (q_len <= PD_MAX_Q), flash / dense layouts with
+// 16-byte-aligned rows (the plan routes the rest to paged_attention_kernel). K/V stay in their storage dtype
+// in shared memory, filled by a PD_STAGES-deep cp.async pipeline of PD_TILE keys; a lane owns 8 dimensions
+// of a key row, so the LPR = HD / 8 lanes of a slot read one row with conflict-free vector loads and that
+// row serves all PD_ROWS query rows (a GQA group), whose q and output accumulators live in registers.
+// Every slot keeps its own online softmax over the keys it consumed; the slots of a warp and then the
+// warps merge once at the end.
+constexpr int PD_THREADS = 128;  // 4 warps; a warp consumes its own PD_TILE / 4 keys of every stage
+constexpr int PD_ROWS = 4;       // query rows (token, head) per CTA: a GQA group of 4 heads at q_len 1
+constexpr int PD_TILE = 32;      // keys per pipeline stage
+constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernel takes
+
+template <class CacheT, int HD>
+struct PdSmem {
+  static constexpr int STAGE = 2 * PD_TILE * HD * int(sizeof(CacheT));  // K tile then V tile, bytes
+  static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
+  static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;              // per warp: m, l, o of each row
+  static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
+};
+
+// 16 bytes global -> shared, of which `bytes` are read (the rest zero-filled: the row's tail past head_size).
+__device__ __forceinline__ void pd_copy16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(unsigned(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(bytes) : "memory");
+}
+
+// Issue the copies of keys base..base+n-1 (K and V, every 16-byte chunk of a row) into one stage.
+template <class CacheT, int HD>
+__device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
+                                         const int* table, long long key_row0, int base, int n, int kv_head,
+                                         const PaParams& p) {
+  constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = HD / X;
+  for (int i = threadIdx.x; i < 2 * PD_TILE * CHUNKS; i += PD_THREADS) {
+    const int is_v = i / (PD_TILE * CHUNKS), j = i / CHUNKS % PD_TILE, c = i % CHUNKS;
+    if (j >= n) continue;
+    const int pos = base + j;
+    const long long block = table ? table[pos / p.block_size] : 0;
+    const long long off = table ? pos % p.block_size : key_row0 + pos;
+    const CacheT* src = is_v ? value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
+                                   off * p.v_page_stride + c * X
+                             : key_cache + block * p.k_block_stride + kv_head * p.k_head_stride +
+                                   c * p.k_chunk_stride + off * p.k_page_stride;
+    const int bytes = min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
+    pd_copy16(stage + (is_v * PD_TILE + j) * HD * int(sizeof(CacheT)) + c * 16, bytes ? src : key_cache, bytes);
+  }
+}
+
+// Elements e, e + 1 of a shared K/V row as float32, unscaled (the caller folds an fp8 scale into q or the
+// output): fp8 codes convert as a pair in registers.
+template <int KV, class CacheT>
+__device__ __forceinline__ float2 pd_pair(const CacheT* row, int e) {
+  if constexpr (KV != KV_AUTO) {
+    const unsigned short codes = *reinterpret_cast<const unsigned short*>(row + e);
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes, KV == KV_E4M3 ? __NV_E4M3 : __NV_E5M2)));
+  } else {
+    const Vec<CacheT, 2> v = load_vec<CacheT, 2>(row + e);
+    return make_float2(to_float(v.v[0]), to_float(v.v[1]));
+  }
+}
+
+// The end of a decode CTA's rows: merge the slots of each warp (shuffles), then the warps (shared memory),
+// and write the partials of a split or the finished output and LSE, as paged_attention_kernel does.
+template <class T, int HD>
+__device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows, float (&m)[PD_ROWS],
+                                          float (&l)[PD_ROWS], float (&o)[PD_ROWS][8], float oscale, int nrows, int split,
+                                          int num_splits, int seq_len, T* out, float* lse, float* max_logits,
+                                          float* exp_sums, void* tmp_output, const PaParams& p) {
+  constexpr int LPR = HD / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int off = LPR; off < 32; off <<= 1)
+#pragma unroll
+    for (int r = 0; r < PD_ROWS; ++r) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[r], off), l2 = __shfl_xor_sync(0xffffffffu, l[r], off);
+      const float mx = fmaxf(m[r], m2);
+      const float a = m[r] == neg_inf() ? 0.0f : expf(m[r] - mx), b = m2 == neg_inf() ? 0.0f : expf(m2 - mx);
+      l[r] = l[r] * a + l2 * b;
+#pragma unroll
+      for (int d = 0; d < 8; ++d) o[r][d] = o[r][d] * a + __shfl_xor_sync(0xffffffffu, o[r][d], off) * b;
+      m[r] = mx;
+    }
+  float* wm = reinterpret_cast<float*>(smem);  // [4][PD_ROWS] maxima, [4][PD_ROWS] sums, [4][PD_ROWS][HD] outputs
+  float* wl = wm + 4 * PD_ROWS;
+  float* wo = wl + 4 * PD_ROWS;
+  __syncthreads();  // every warp is done with the last stage: its bytes become the merge area
+  if (lane < LPR)
+#pragma unroll
+    for (int r = 0; r < PD_ROWS; ++r) {
+#pragma unroll
+      for (int d = 0; d < 8; ++d) wo[(warp * PD_ROWS + r) * HD + lane * 8 + d] = o[r][d] * oscale;  // the V scale
+      if (lane == 0) { wm[warp * PD_ROWS + r] = m[r]; wl[warp * PD_ROWS + r] = l[r]; }
+    }
+  __syncthreads();
+  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
+  for (int i = threadIdx.x; i < nrows * HD; i += PD_THREADS) {
+    const int r = i / HD, d = i % HD;
+    if (d >= p.v_head_size) continue;
+    float mx = neg_inf(), sum = 0.0f, acc = 0.0f;
+    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, wm[w * PD_ROWS + r]);
+    for (int w = 0; w < 4; ++w)
+      if (wm[w * PD_ROWS + r] != neg_inf()) {
+        const float f = expf(wm[w * PD_ROWS + r] - mx);
+        sum += wl[w * PD_ROWS + r] * f;
+        acc += wo[(w * PD_ROWS + r) * HD + d] * f;
+      }
+    const PaRow row = rows[r];
+    const long long th = (long long)row.token * p.num_heads + row.head;
+    if (partial) {
+      pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, acc * (sum > 0.0f ? 1.0f / sum : 0.0f),
+                          p.partials_in_out_type);
+      if (d == 0) { max_logits[th * p.max_splits + split] = mx; exp_sums[th * p.max_splits + split] = sum; }
+    }
+    if (num_splits == 1) {  // the whole context was this CTA's: finish the row here
+      const SoftmaxFinish fin = softmax_finish(mx, sum, row.sink);
+      out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(acc * fin.scale);
+      if (lse && d == 0) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
+    }
+  }
+  __syncthreads();  // the next row tile rewrites rows and the stages
+}
+
+template <class T, int KV, int HD>
+__global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
+    const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
+    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
+    const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
+    const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq], or nullptr: dense varlen keys
+    const int* __restrict__ seq_lens,        // [num_seqs], or cu_seqlens_k [num_seqs + 1] when dense
+    const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
+    const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] / [num_kv_heads] or nullptr
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
+    void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
+  typedef typename CacheType<KV, T>::type CacheT;
+  typedef PdSmem<CacheT, HD> S;
+  constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROW = HD * int(sizeof(CacheT));
+  extern __shared__ __align__(16) unsigned char pd_smem[];
+  __shared__ PaRow rows[PD_ROWS];
+  const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
+  const bool dense = block_tables == nullptr;
+  const long long key_row0 = dense ? seq_lens[seq] : 0;
+  const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
+  const int q_start = query_start_loc ? query_start_loc[seq] : seq;
+  const int q_len = query_start_loc ? query_start_loc[seq + 1] - q_start : 1;
+  const int group = p.num_heads / p.num_kv_heads;
+  const PaSplits splits = pa_splits(seq_len, p);
+  if (q_len > p.decode_max_q || split >= splits.count) return;  // a longer run is paged_attention_kernel's
+  const int split_lo = split * splits.size, split_hi = min(seq_len, split_lo + splits.size) - 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
+  const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
+  const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
+  const int* table = dense ? nullptr : block_tables + seq * p.table_stride;
+  for (int row0 = (blockIdx.x % p.decode_tiles) * PD_ROWS; row0 < q_len * group; row0 += p.decode_tiles * PD_ROWS) {
+    const int nrows = min(PD_ROWS, q_len * group - row0);
+    float qv[PD_ROWS][8], o[PD_ROWS][8], m[PD_ROWS], l[PD_ROWS];
+    int lo = 0x7fffffff, hi = -1;  // the union of the rows' visible keys: the only ones loaded
+#pragma unroll
+    for (int r = 0; r < PD_ROWS; ++r) {
+      PaRow row{0, 0, 0, -1, 0.0f, neg_inf()};
+      if (r < nrows) {
+        const int i = (row0 + r) / group, pos = seq_len - q_len + i;
+        row.token = q_start + i;
+        row.head = kv_head * group + (row0 + r) % group;
+        row.lo = max(p.window > 0 ? max(0, pos - p.window + 1) : 0, split_lo);
+        row.hi = min(p.causal ? pos : seq_len - 1, split_hi);
+        row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
+        row.sink = sinks ? sinks[row.head] : neg_inf();
+        if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        qv[r][e] = r < nrows && d0 + e < p.head_size
+                       ? to_float(q[row.token * p.q_token_stride + row.head * p.q_head_stride + d0 + e]) * qscale : 0.0f;
+        o[r][e] = 0.0f;
+      }
+      m[r] = neg_inf();
+      l[r] = 0.0f;
+      if (threadIdx.x == 0) rows[r] = row;
+    }
+    __syncthreads();
+    const int ntiles = hi >= lo ? (hi - lo) / PD_TILE + 1 : 0;
+#pragma unroll
+    for (int t = 0; t < S::STAGES - 1; ++t) {  // the pipeline's prologue: STAGES - 1 tiles in flight
+      if (t < ntiles)
+        pd_issue<CacheT, HD>(pd_smem + t * S::STAGE, key_cache, value_cache, table, key_row0, lo + t * PD_TILE,
+                             min(PD_TILE, hi - lo - t * PD_TILE + 1), kv_head, p);
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    for (int t = 0; t < ntiles; ++t) {
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
+      __syncthreads();  // everyone's landed, and every warp is done with tile t - 1, whose stage is refilled next
+      const int next = t + S::STAGES - 1;
+      if (next < ntiles)
+        pd_issue<CacheT, HD>(pd_smem + next % S::STAGES * S::STAGE, key_cache, value_cache, table, key_row0,
+                             lo + next * PD_TILE, min(PD_TILE, hi - lo - next * PD_TILE + 1), kv_head, p);
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+      const unsigned char* stage = pd_smem + t % S::STAGES * S::STAGE;
+      for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS) {
+        const int key = lo + t * PD_TILE + j;
+        const CacheT* krow = reinterpret_cast<const CacheT*>(stage + j * ROW) + d0;
+        float s[PD_ROWS], alpha[PD_ROWS], w[PD_ROWS];
+#pragma unroll
+        for (int r = 0; r < PD_ROWS; ++r) s[r] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {  // q . k: 8 dimensions per lane, converted a pair at a time
+          const float2 k = pd_pair<KV>(krow, e);
+#pragma unroll
+          for (int r = 0; r < PD_ROWS; ++r) s[r] = s[r] + qv[r][e] * k.x + qv[r][e + 1] * k.y;
+        }
+        int seen = 0;  // rows that see this key
+#pragma unroll
+        for (int r = 0; r < PD_ROWS; ++r) {
+#pragma unroll
+          for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);  // the slot's tree
+          alpha[r] = 1.0f;
+          w[r] = 0.0f;
+          if (key < rows[r].lo || key > rows[r].hi) continue;
+          float x = s[r];
+          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+          x -= rows[r].slope * fabsf(float(key - (seq_len - q_len + (row0 + r) / group)));
+          const float mx = fmaxf(m[r], x);
+          alpha[r] = m[r] == neg_inf() ? 0.0f : expf(m[r] - mx);
+          w[r] = expf(x - mx);
+          l[r] = l[r] * alpha[r] + w[r];
+          m[r] = mx;
+          seen |= 1 << r;
+        }
+        const CacheT* vrow = reinterpret_cast<const CacheT*>(stage + (PD_TILE + j) * ROW) + d0;
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {  // o = o * alpha + w v, for the rows that see the key: selection, never 0 * v
+          const float2 v = pd_pair<KV>(vrow, e);
+#pragma unroll
+          for (int r = 0; r < PD_ROWS; ++r)
+            if (seen >> r & 1) {
+              o[r][e] = o[r][e] * alpha[r] + w[r] * v.x;
+              o[r][e + 1] = o[r][e + 1] * alpha[r] + w[r] * v.y;
+            }
+        }
+      }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    pd_finish<T, HD>(pd_smem, rows, m, l, o, oscale, nrows, split, splits.count, seq_len, out, lse, max_logits,
+                     exp_sums, tmp_output, p);
   }
 }
 

@@ -130,7 +130,9 @@ def test_the_kernel_is_opted_in_for_shared_memory_once(monkeypatch):
     for _ in range(3):
         out = cupaged.paged_attention(**inputs, **options)
         assert_close(out, ref_out, F16, "out")
-    assert sets == [("max_dynamic_shared_size_bytes", attention.smem_bytes(64, 64, False))]
+    # a decode batch: the decode kernel alone, its pipeline stages (4 x 32 fp16 K/V rows of the 64 bucket)
+    assert sets == [("max_dynamic_shared_size_bytes", attention.decode_smem_bytes(2, 64))] == [
+        ("max_dynamic_shared_size_bytes", 4 * 2 * 32 * 64 * 2)]
 
 
 def test_memoized_views_and_plans_tell_layouts_apart():

@@ -1,5 +1,6 @@
 """The Python mirrors of kernel constants and parameter structs (cupaged/_mirror.py) against what the
-compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field and PaSmem's size."""
+compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field, PaSmem's size and the decode
+kernel's PdSmem (every cache element size and head bucket)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,26 @@ def _probe_source() -> tuple[str, list[str], list[tuple]]:
     lines = [f"  out[{1 + i}] = reinterpret_cast<const char*>(&p.{f}) - base;" for i, f in enumerate(fields)]
     lines += [f"  out[{1 + len(fields) + i}] = cupaged::PaSmem<{hd}, {vhd}, {'true' if s else 'false'}>::FLOATS;"
               for i, (hd, vhd, s) in enumerate(smem)]
+    decode = [(c, size, hd) for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
+              for hd in attention.HEAD_BUCKETS]
+    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::PdSmem<{c}, {hd}>::BYTES;"
+              for i, (c, _, hd) in enumerate(decode)]
     probe = ('extern "C" __global__ void pa_layout(long long* out) {\n  cupaged::PaParams p;\n'
              '  const char* base = reinterpret_cast<const char*>(&p);\n  out[0] = sizeof(cupaged::PaParams);\n'
              + "\n".join(lines) + "\n}\n")
-    return attention.FAMILY.source + probe, fields, smem
+    return attention.FAMILY.source + probe, fields, smem, decode
 
 
 def test_params_struct_and_shared_memory_match_the_kernel():
-    source, fields, smem = _probe_source()
-    out = sim.zeros(1 + len(fields) + len(smem), np.int64)
+    source, fields, smem, decode = _probe_source()
+    out = sim.zeros(1 + len(fields) + len(smem) + len(decode), np.int64)
     sim.RawModule(code=source, options=("-std=c++17",)).get_function("pa_layout")((1,), (1,), (out,))
     dtype = attention.params_dtype()
     assert out[0] == dtype.itemsize
     assert out[1:1 + len(fields)].tolist() == [dtype.fields[f][1] for f in fields]
-    assert [4 * int(n) for n in out[1 + len(fields):]] == [attention.smem_bytes(*s) for s in smem]
+    n = 1 + len(fields) + len(smem)
+    assert [4 * int(x) for x in out[1 + len(fields):n]] == [attention.smem_bytes(*s) for s in smem]
+    assert out[n:].tolist() == [attention.decode_smem_bytes(size, hd) for _, size, hd in decode]
 
 
 def test_probe_compiles_under_nvrtc():
