@@ -33,6 +33,7 @@ __all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "worksp
 HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
 _TYPES = ("float", "__half", "__nv_bfloat16")
+DECODE_ROWS = (4, 8)  # the decode kernel's query rows per CTA: a GQA group of up to 4, or up to 8 (registers)
 
 
 def _main(t, kv, hd, vhd, shared):
@@ -43,15 +44,15 @@ def _reduce(t):
     return f"cupaged::paged_attention_reduce_kernel<{t}>"
 
 
-def _decode(t, kv, hd):
-    return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}>"
+def _decode(t, kv, hd, rows):
+    return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}, {rows}>"
 
 
 FAMILY = KernelFamily("paged_attention", [
     *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
     *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
     *(_reduce(t) for t in _TYPES),
-    *(_decode(t, kv, hd) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
+    *(_decode(t, kv, hd, rows) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS for rows in DECODE_ROWS),
 ])
 ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 
@@ -59,7 +60,7 @@ ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 @functools.lru_cache(maxsize=None)
 def kernel_constants() -> dict[str, int]:
     """PA_* and PD_* (the decode kernel's) as kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_ROWS", "PD_TILE", "PD_MAX_Q")
+    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q")
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,13 +92,12 @@ def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
     return 4 * (rows * hd + kv + rows * tile + 3 * rows)
 
 
-def decode_smem_bytes(cache_itemsize: int, hd: int) -> int:
-    """Dynamic shared memory of the decode kernel: PdSmem<CacheT, HD>::BYTES (its pipeline stages, or
-    the warps' merge area when larger)."""
-    c = kernel_constants()
-    stage = 2 * c["PD_TILE"] * hd * cache_itemsize
+def decode_smem_bytes(cache_itemsize: int, hd: int, rows: int) -> int:
+    """Dynamic shared memory of the decode kernel: PdSmem<CacheT, HD, ROWS>::BYTES (its pipeline stages,
+    or the warps' merge area when larger)."""
+    stage = 2 * kernel_constants()["PD_TILE"] * hd * cache_itemsize
     stages = 4 if 4 * stage <= 65536 else 3 if 3 * stage <= 98304 else 2
-    return max(stages * stage, 4 * c["PD_ROWS"] * (hd + 2) * 4)
+    return max(stages * stage, 4 * rows * (hd + 2) * 4)
 
 
 @passes_as_is
@@ -127,7 +127,7 @@ class AttentionPlan:
     decode_kernel: str | None = None  # paged_decode_kernel for sequences with q_len <= decode_max_q
     decode_grid: tuple = ()
     decode_shared_mem: int = 0
-    decode_tiles: int = 0      # the decode grid's row tiles, PD_ROWS rows each
+    decode_tiles: int = 0      # the decode grid's row tiles of 4 or 8 rows (the kernel's ROWS)
     decode_max_q: int = 0      # 0: no decode kernel; ALL_ROWS: it takes every sequence
 
     @property
@@ -140,14 +140,15 @@ class AttentionPlan:
 
     @property
     def main_launches(self):
-        """(kernel, grid, threads, shared_mem) of the main kernels, in launch order: the decode kernel for
-        short query runs, then paged_attention_kernel for the rest."""
+        """(kernel, grid, threads, shared_mem) of the main kernels, in launch order: paged_attention_kernel
+        for long query runs (the op's declared cost goes with the first: the bulk of a prefill), then the
+        decode kernel for the short ones."""
         launches = []
+        if self.kernel is not None:
+            launches.append((self.kernel, self.grid, self.threads, self.shared_mem))
         if self.decode_kernel is not None:
             launches.append((self.decode_kernel, self.decode_grid, kernel_constants()["PD_THREADS"],
                              self.decode_shared_mem))
-        if self.kernel is not None:
-            launches.append((self.kernel, self.grid, self.threads, self.shared_mem))
         return launches
 
     @property
@@ -224,7 +225,8 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     # Sequences whose query run is short take the decode kernel; with a hint saying every run is short it
     # takes them all (an understated hint stays correct), else the longer ones take paged_attention_kernel.
     decode_max_q = 0 if not decodable else ALL_ROWS if max_q <= consts["PD_MAX_Q"] else consts["PD_MAX_Q"]
-    decode_tiles = -(-min(max_q, consts["PD_MAX_Q"]) * group // consts["PD_ROWS"]) if decode_max_q else 0
+    rows = DECODE_ROWS[0] if min(max_q, consts["PD_MAX_Q"]) * group <= DECODE_ROWS[0] else DECODE_ROWS[1]
+    decode_tiles = -(-min(max_q, consts["PD_MAX_Q"]) * group // rows) if decode_max_q else 0
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
     ctas = num_seqs * num_kv_heads * (decode_tiles if decode_max_q == ALL_ROWS else tiles)
@@ -244,9 +246,9 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
         threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
         kernel=None if decode_max_q == ALL_ROWS else _main(t, kv, hd, vhd, shared),
         reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None,
-        decode_kernel=_decode(t, kv, hd) if decode_max_q else None,
+        decode_kernel=_decode(t, kv, hd, rows) if decode_max_q else None,
         decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_max_q else (),
-        decode_shared_mem=decode_smem_bytes(cache_itemsize, hd) if decode_max_q else 0,
+        decode_shared_mem=decode_smem_bytes(cache_itemsize, hd, rows) if decode_max_q else 0,
         decode_tiles=decode_tiles, decode_max_q=decode_max_q)
 
 

@@ -79,6 +79,7 @@ struct PaSmem {
 struct PaRow {
   int token, head, lo, hi;  // keys lo..hi (inclusive) are visible within this split
   float slope, sink;
+  int pos;                  // the query's position (the decode kernel's ALiBi distance)
 };
 
 struct PaParams {
@@ -90,7 +91,7 @@ struct PaParams {
   int scale_per_head, causal, window, always_partials, partials_in_out_type;
   int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits, tiles;
   int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
-  int decode_tiles;  // paged_decode_kernel's grid: row tiles of PD_ROWS (as tiles is paged_attention_kernel's)
+  int decode_tiles;  // paged_decode_kernel's grid: row tiles of its ROWS (as tiles is paged_attention_kernel's)
   int decode_max_q;  // sequences with q_len <= decode_max_q are paged_decode_kernel's, the rest the other's
 };
 
@@ -382,21 +383,20 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
 
 // ---- The decode kernel: sequences whose query run is short (q_len <= PD_MAX_Q), flash / dense layouts with
 // 16-byte-aligned rows (the plan routes the rest to paged_attention_kernel). K/V stay in their storage dtype
-// in shared memory, filled by a PD_STAGES-deep cp.async pipeline of PD_TILE keys; a lane owns 8 dimensions
-// of a key row, so the LPR = HD / 8 lanes of a slot read one row with conflict-free vector loads and that
-// row serves all PD_ROWS query rows (a GQA group), whose q and output accumulators live in registers.
-// Every slot keeps its own online softmax over the keys it consumed; the slots of a warp and then the
-// warps merge once at the end.
+// in shared memory, filled by a 2-4 stage cp.async pipeline of PD_TILE keys whose block ids are fetched a
+// stage ahead; a lane owns 8 dimensions of a key row, so the LPR = HD / 8 lanes of a slot read one row with
+// conflict-free vector loads and that row serves all ROWS query rows of the CTA (a GQA group: 4 or 8),
+// whose q and output accumulators live in registers. Every slot keeps its own online softmax over the keys
+// it consumed; the slots of a warp and then the warps merge once at the end.
 constexpr int PD_THREADS = 128;  // 4 warps; a warp consumes its own PD_TILE / 4 keys of every stage
-constexpr int PD_ROWS = 4;       // query rows (token, head) per CTA: a GQA group of 4 heads at q_len 1
 constexpr int PD_TILE = 32;      // keys per pipeline stage
 constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernel takes
 
-template <class CacheT, int HD>
+template <class CacheT, int HD, int ROWS>
 struct PdSmem {
   static constexpr int STAGE = 2 * PD_TILE * HD * int(sizeof(CacheT));  // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
-  static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;              // per warp: m, l, o of each row
+  static constexpr int MERGE = 4 * ROWS * (HD + 2) * 4;                 // per warp: m, l, o of each row
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
 };
 
@@ -406,18 +406,30 @@ __device__ __forceinline__ void pd_copy16(void* dst, const void* src, int bytes)
                "l"(src), "r"(bytes) : "memory");
 }
 
-// Issue the copies of keys base..base+n-1 (K and V, every 16-byte chunk of a row) into one stage.
+// Tile u of a CTA's keys lo..hi: its first key, its key count and the block-table entries it spans.
+struct PdTile {
+  int base, n, first_block, blocks;
+};
+
+__device__ __forceinline__ PdTile pd_tile(int lo, int hi, int u, int block_size) {
+  const int base = lo + u * PD_TILE, n = min(PD_TILE, hi - base + 1);
+  const int first = base / block_size;
+  return {base, n, first, (base + n - 1) / block_size - first + 1};
+}
+
+// Issue the copies of tile `tile` (K and V, every 16-byte chunk of a row) into one stage; `ids`: its block ids
+// (ids[b] = block of table entry first_block + b), nullptr for dense rows.
 template <class CacheT, int HD>
 __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
-                                         const int* table, long long key_row0, int base, int n, int kv_head,
+                                         const int* ids, PdTile tile, long long key_row0, int kv_head,
                                          const PaParams& p) {
   constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = HD / X;
   for (int i = threadIdx.x; i < 2 * PD_TILE * CHUNKS; i += PD_THREADS) {
     const int is_v = i / (PD_TILE * CHUNKS), j = i / CHUNKS % PD_TILE, c = i % CHUNKS;
-    if (j >= n) continue;
-    const int pos = base + j;
-    const long long block = table ? table[pos / p.block_size] : 0;
-    const long long off = table ? pos % p.block_size : key_row0 + pos;
+    if (j >= tile.n) continue;
+    const int pos = tile.base + j;
+    const long long block = ids ? ids[pos / p.block_size - tile.first_block] : 0;
+    const long long off = ids ? pos % p.block_size : key_row0 + pos;
     const CacheT* src = is_v ? value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
                                    off * p.v_page_stride + c * X
                              : key_cache + block * p.k_block_stride + kv_head * p.k_head_stride +
@@ -427,24 +439,42 @@ __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key
   }
 }
 
-// Elements e, e + 1 of a shared K/V row as float32, unscaled (the caller folds an fp8 scale into q or the
-// output): fp8 codes convert as a pair in registers.
+// A lane's 8 elements of a shared K/V row, loaded whole (one conflict-free 16-byte load for 16-bit types, 8
+// bytes for fp8, two 16-byte loads for float32), and element pair e, e + 1 of them as float32, unscaled (the
+// caller folds an fp8 scale into q or the output): fp8 codes convert as a pair in registers.
+template <class CacheT>
+struct PdRow8 {
+  Vec<CacheT, 8> v;
+};
+
+template <class CacheT>
+__device__ __forceinline__ PdRow8<CacheT> pd_load8(const CacheT* row) {
+  PdRow8<CacheT> r;
+  if constexpr (sizeof(CacheT) == 4) {
+    const Vec<CacheT, 4> a = load_vec<CacheT, 4>(row), b = load_vec<CacheT, 4>(row + 4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) { r.v.v[e] = a.v[e]; r.v.v[e + 4] = b.v[e]; }
+  } else {
+    r.v = load_vec<CacheT, 8>(row);
+  }
+  return r;
+}
+
 template <int KV, class CacheT>
-__device__ __forceinline__ float2 pd_pair(const CacheT* row, int e) {
+__device__ __forceinline__ float2 pd_pair(const PdRow8<CacheT>& r, int e) {
   if constexpr (KV != KV_AUTO) {
-    const unsigned short codes = *reinterpret_cast<const unsigned short*>(row + e);
+    const unsigned short codes = (unsigned short)(r.v.v[e] | (r.v.v[e + 1] << 8));
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes, KV == KV_E4M3 ? __NV_E4M3 : __NV_E5M2)));
   } else {
-    const Vec<CacheT, 2> v = load_vec<CacheT, 2>(row + e);
-    return make_float2(to_float(v.v[0]), to_float(v.v[1]));
+    return make_float2(to_float(r.v.v[e]), to_float(r.v.v[e + 1]));
   }
 }
 
 // The end of a decode CTA's rows: merge the slots of each warp (shuffles), then the warps (shared memory),
 // and write the partials of a split or the finished output and LSE, as paged_attention_kernel does.
-template <class T, int HD>
-__device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows, float (&m)[PD_ROWS],
-                                          float (&l)[PD_ROWS], float (&o)[PD_ROWS][8], float oscale, int nrows, int split,
+template <class T, int HD, int ROWS>
+__device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows, float (&m)[ROWS],
+                                          float (&l)[ROWS], float (&o)[ROWS][8], float oscale, int nrows, int split,
                                           int num_splits, int seq_len, T* out, float* lse, float* max_logits,
                                           float* exp_sums, void* tmp_output, const PaParams& p) {
   constexpr int LPR = HD / 8;
@@ -452,7 +482,7 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
 #pragma unroll
   for (int off = LPR; off < 32; off <<= 1)
 #pragma unroll
-    for (int r = 0; r < PD_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
       const float m2 = __shfl_xor_sync(0xffffffffu, m[r], off), l2 = __shfl_xor_sync(0xffffffffu, l[r], off);
       const float mx = fmaxf(m[r], m2);
       const float a = m[r] == neg_inf() ? 0.0f : expf(m[r] - mx), b = m2 == neg_inf() ? 0.0f : expf(m2 - mx);
@@ -461,16 +491,16 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
       for (int d = 0; d < 8; ++d) o[r][d] = o[r][d] * a + __shfl_xor_sync(0xffffffffu, o[r][d], off) * b;
       m[r] = mx;
     }
-  float* wm = reinterpret_cast<float*>(smem);  // [4][PD_ROWS] maxima, [4][PD_ROWS] sums, [4][PD_ROWS][HD] outputs
-  float* wl = wm + 4 * PD_ROWS;
-  float* wo = wl + 4 * PD_ROWS;
+  float* wm = reinterpret_cast<float*>(smem);  // [4][ROWS] maxima, [4][ROWS] sums, [4][ROWS][HD] outputs
+  float* wl = wm + 4 * ROWS;
+  float* wo = wl + 4 * ROWS;
   __syncthreads();  // every warp is done with the last stage: its bytes become the merge area
   if (lane < LPR)
 #pragma unroll
-    for (int r = 0; r < PD_ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-      for (int d = 0; d < 8; ++d) wo[(warp * PD_ROWS + r) * HD + lane * 8 + d] = o[r][d] * oscale;  // the V scale
-      if (lane == 0) { wm[warp * PD_ROWS + r] = m[r]; wl[warp * PD_ROWS + r] = l[r]; }
+      for (int d = 0; d < 8; ++d) wo[(warp * ROWS + r) * HD + lane * 8 + d] = o[r][d] * oscale;  // the V scale
+      if (lane == 0) { wm[warp * ROWS + r] = m[r]; wl[warp * ROWS + r] = l[r]; }
     }
   __syncthreads();
   const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
@@ -478,12 +508,12 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
     const int r = i / HD, d = i % HD;
     if (d >= p.v_head_size) continue;
     float mx = neg_inf(), sum = 0.0f, acc = 0.0f;
-    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, wm[w * PD_ROWS + r]);
+    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, wm[w * ROWS + r]);
     for (int w = 0; w < 4; ++w)
-      if (wm[w * PD_ROWS + r] != neg_inf()) {
-        const float f = expf(wm[w * PD_ROWS + r] - mx);
-        sum += wl[w * PD_ROWS + r] * f;
-        acc += wo[(w * PD_ROWS + r) * HD + d] * f;
+      if (wm[w * ROWS + r] != neg_inf()) {
+        const float f = expf(wm[w * ROWS + r] - mx);
+        sum += wl[w * ROWS + r] * f;
+        acc += wo[(w * ROWS + r) * HD + d] * f;
       }
     const PaRow row = rows[r];
     const long long th = (long long)row.token * p.num_heads + row.head;
@@ -501,7 +531,55 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
   __syncthreads();  // the next row tile rewrites rows and the stages
 }
 
-template <class T, int KV, int HD>
+// One key (row j of the stage) for the slot's lanes: q . k over the slot's lanes, then, for each row that
+// sees the key, the online-softmax step o = o * alpha + w v. Masking by selection: v is never weighted by 0.
+// `all_see`: every row sees the whole tile (the rows' bounds need not be read); `alibi`: slopes are given.
+template <int KV, int LPR, int ROWS, class CacheT>
+__device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT* vrow_ptr, int key, const PaRow* rows,
+                                           int nrows, bool all_see, bool alibi, const float (&qv)[ROWS][8],
+                                           float (&o)[ROWS][8], float (&m)[ROWS], float (&l)[ROWS], float softcap) {
+  const PdRow8<CacheT> krow = pd_load8(krow_ptr);
+  float s[ROWS], alpha[ROWS], w[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) s[r] = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; e += 2) {  // 8 dimensions per lane, converted a pair at a time
+    const float2 k = pd_pair<KV>(krow, e);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) s[r] = s[r] + qv[r][e] * k.x + qv[r][e + 1] * k.y;
+  }
+  int seen = 0;  // rows that see this key
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);  // the slot's tree
+    alpha[r] = 1.0f;
+    w[r] = 0.0f;
+    if (r >= nrows || (!all_see && (key < rows[r].lo || key > rows[r].hi))) continue;
+    float x = s[r];
+    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+    if (alibi) x -= rows[r].slope * fabsf(float(key - rows[r].pos));
+    const float mx = fmaxf(m[r], x);
+    alpha[r] = m[r] == neg_inf() ? 0.0f : expf(m[r] - mx);
+    w[r] = expf(x - mx);
+    l[r] = l[r] * alpha[r] + w[r];
+    m[r] = mx;
+    seen |= 1 << r;
+  }
+  const PdRow8<CacheT> vrow = pd_load8(vrow_ptr);  // loaded after the scores: k is dead
+#pragma unroll
+  for (int e = 0; e < 8; e += 2) {
+    const float2 v = pd_pair<KV>(vrow, e);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (seen >> r & 1) {
+        o[r][e] = o[r][e] * alpha[r] + w[r] * v.x;
+        o[r][e + 1] = o[r][e + 1] * alpha[r] + w[r] * v.y;
+      }
+  }
+}
+
+template <class T, int KV, int HD, int ROWS>
 __global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
@@ -514,10 +592,11 @@ __global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
   typedef typename CacheType<KV, T>::type CacheT;
-  typedef PdSmem<CacheT, HD> S;
+  typedef PdSmem<CacheT, HD, ROWS> S;
   constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROW = HD * int(sizeof(CacheT));
   extern __shared__ __align__(16) unsigned char pd_smem[];
-  __shared__ PaRow rows[PD_ROWS];
+  __shared__ PaRow rows[ROWS];
+  __shared__ int ids[S::STAGES][PD_TILE + 1];  // block ids of the tile in each stage
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
   const bool dense = block_tables == nullptr;
   const long long key_row0 = dense ? seq_lens[seq] : 0;
@@ -532,22 +611,26 @@ __global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
   const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
   const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
   const int* table = dense ? nullptr : block_tables + seq * p.table_stride;
-  for (int row0 = (blockIdx.x % p.decode_tiles) * PD_ROWS; row0 < q_len * group; row0 += p.decode_tiles * PD_ROWS) {
-    const int nrows = min(PD_ROWS, q_len * group - row0);
-    float qv[PD_ROWS][8], o[PD_ROWS][8], m[PD_ROWS], l[PD_ROWS];
-    int lo = 0x7fffffff, hi = -1;  // the union of the rows' visible keys: the only ones loaded
+  for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < q_len * group; row0 += p.decode_tiles * ROWS) {
+    const int nrows = min(ROWS, q_len * group - row0);
+    float qv[ROWS][8], o[ROWS][8], m[ROWS], l[ROWS];
+    int lo = 0x7fffffff, hi = -1;             // the union of the rows' visible keys: the only ones loaded
+    int lo_all = 0, hi_all = 0x7fffffff;      // their intersection: keys every row sees
 #pragma unroll
-    for (int r = 0; r < PD_ROWS; ++r) {
-      PaRow row{0, 0, 0, -1, 0.0f, neg_inf()};
+    for (int r = 0; r < ROWS; ++r) {
+      PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0};
       if (r < nrows) {
-        const int i = (row0 + r) / group, pos = seq_len - q_len + i;
+        const int i = (row0 + r) / group;
+        row.pos = seq_len - q_len + i;
         row.token = q_start + i;
         row.head = kv_head * group + (row0 + r) % group;
-        row.lo = max(p.window > 0 ? max(0, pos - p.window + 1) : 0, split_lo);
-        row.hi = min(p.causal ? pos : seq_len - 1, split_hi);
+        row.lo = max(p.window > 0 ? max(0, row.pos - p.window + 1) : 0, split_lo);
+        row.hi = min(p.causal ? row.pos : seq_len - 1, split_hi);
         row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
         row.sink = sinks ? sinks[row.head] : neg_inf();
         if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
+        lo_all = max(lo_all, row.lo);
+        hi_all = min(hi_all, row.hi);
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -559,70 +642,45 @@ __global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
       l[r] = 0.0f;
       if (threadIdx.x == 0) rows[r] = row;
     }
-    __syncthreads();
     const int ntiles = hi >= lo ? (hi - lo) / PD_TILE + 1 : 0;
+    for (int u = 0; table && u < S::STAGES - 1 && u < ntiles; ++u) {  // the first tiles' block ids
+      const PdTile tile = pd_tile(lo, hi, u, p.block_size);
+      if (threadIdx.x < tile.blocks) ids[u][threadIdx.x] = table[tile.first_block + threadIdx.x];
+    }
+    __syncthreads();
 #pragma unroll
-    for (int t = 0; t < S::STAGES - 1; ++t) {  // the pipeline's prologue: STAGES - 1 tiles in flight
-      if (t < ntiles)
-        pd_issue<CacheT, HD>(pd_smem + t * S::STAGE, key_cache, value_cache, table, key_row0, lo + t * PD_TILE,
-                             min(PD_TILE, hi - lo - t * PD_TILE + 1), kv_head, p);
+    for (int u = 0; u < S::STAGES - 1; ++u) {  // the pipeline's prologue: STAGES - 1 tiles in flight
+      if (u < ntiles)
+        pd_issue<CacheT, HD>(pd_smem + u * S::STAGE, key_cache, value_cache, table ? ids[u] : nullptr,
+                             pd_tile(lo, hi, u, p.block_size), key_row0, kv_head, p);
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
+    int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed
+    if (table && S::STAGES - 1 < ntiles && threadIdx.x < pd_tile(lo, hi, S::STAGES - 1, p.block_size).blocks)
+      next_id = table[pd_tile(lo, hi, S::STAGES - 1, p.block_size).first_block + threadIdx.x];
     for (int t = 0; t < ntiles; ++t) {
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
-      __syncthreads();  // everyone's landed, and every warp is done with tile t - 1, whose stage is refilled next
       const int next = t + S::STAGES - 1;
+      const PdTile tile = pd_tile(lo, hi, next, p.block_size);
+      if (table && next < ntiles && threadIdx.x < tile.blocks) ids[next % S::STAGES][threadIdx.x] = next_id;
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
+      __syncthreads();  // everyone's landed (and the ids above are visible); tile t - 1's stage is free again
       if (next < ntiles)
-        pd_issue<CacheT, HD>(pd_smem + next % S::STAGES * S::STAGE, key_cache, value_cache, table, key_row0,
-                             lo + next * PD_TILE, min(PD_TILE, hi - lo - next * PD_TILE + 1), kv_head, p);
+        pd_issue<CacheT, HD>(pd_smem + next % S::STAGES * S::STAGE, key_cache, value_cache,
+                             table ? ids[next % S::STAGES] : nullptr, tile, key_row0, kv_head, p);
       asm volatile("cp.async.commit_group;\n" ::: "memory");
+      const PdTile after = pd_tile(lo, hi, next + 1, p.block_size);
+      if (table && next + 1 < ntiles && threadIdx.x < after.blocks) next_id = table[after.first_block + threadIdx.x];
       const unsigned char* stage = pd_smem + t % S::STAGES * S::STAGE;
-      for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS) {
-        const int key = lo + t * PD_TILE + j;
-        const CacheT* krow = reinterpret_cast<const CacheT*>(stage + j * ROW) + d0;
-        float s[PD_ROWS], alpha[PD_ROWS], w[PD_ROWS];
-#pragma unroll
-        for (int r = 0; r < PD_ROWS; ++r) s[r] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; e += 2) {  // q . k: 8 dimensions per lane, converted a pair at a time
-          const float2 k = pd_pair<KV>(krow, e);
-#pragma unroll
-          for (int r = 0; r < PD_ROWS; ++r) s[r] = s[r] + qv[r][e] * k.x + qv[r][e + 1] * k.y;
-        }
-        int seen = 0;  // rows that see this key
-#pragma unroll
-        for (int r = 0; r < PD_ROWS; ++r) {
-#pragma unroll
-          for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);  // the slot's tree
-          alpha[r] = 1.0f;
-          w[r] = 0.0f;
-          if (key < rows[r].lo || key > rows[r].hi) continue;
-          float x = s[r];
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          x -= rows[r].slope * fabsf(float(key - (seq_len - q_len + (row0 + r) / group)));
-          const float mx = fmaxf(m[r], x);
-          alpha[r] = m[r] == neg_inf() ? 0.0f : expf(m[r] - mx);
-          w[r] = expf(x - mx);
-          l[r] = l[r] * alpha[r] + w[r];
-          m[r] = mx;
-          seen |= 1 << r;
-        }
-        const CacheT* vrow = reinterpret_cast<const CacheT*>(stage + (PD_TILE + j) * ROW) + d0;
-#pragma unroll
-        for (int e = 0; e < 8; e += 2) {  // o = o * alpha + w v, for the rows that see the key: selection, never 0 * v
-          const float2 v = pd_pair<KV>(vrow, e);
-#pragma unroll
-          for (int r = 0; r < PD_ROWS; ++r)
-            if (seen >> r & 1) {
-              o[r][e] = o[r][e] * alpha[r] + w[r] * v.x;
-              o[r][e + 1] = o[r][e + 1] * alpha[r] + w[r] * v.y;
-            }
-        }
-      }
+      const int base = lo + t * PD_TILE;
+      const bool all_see = base >= lo_all && base + PD_TILE - 1 <= hi_all;
+      for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS)
+        pd_consume<KV, LPR, ROWS>(reinterpret_cast<const CacheT*>(stage + j * ROW) + d0,
+                                  reinterpret_cast<const CacheT*>(stage + (PD_TILE + j) * ROW) + d0, base + j, rows,
+                                  nrows, all_see, alibi_slopes != nullptr, qv, o, m, l, p.softcap);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    pd_finish<T, HD>(pd_smem, rows, m, l, o, oscale, nrows, split, splits.count, seq_len, out, lse, max_logits,
-                     exp_sums, tmp_output, p);
+    pd_finish<T, HD, ROWS>(pd_smem, rows, m, l, o, oscale, nrows, split, splits.count, seq_len, out, lse, max_logits,
+                           exp_sums, tmp_output, p);
   }
 }
 
@@ -655,14 +713,33 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   const long long th = (long long)token * p.num_heads + head;
   const float* m = max_logits + th * p.max_splits;
   const float* l = exp_sums + th * p.max_splits;
-  const SoftmaxMerge mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf());
-  for (int d = threadIdx.x; d < p.v_head_size; d += blockDim.x) {
-    float a = 0.0f;
-    for (int s = 0; s < num_splits; ++s)
-      if (l[s] > 0.0f)
-        a += softmax_share(m[s], l[s], mg.mx) *
-             pa_load_partial<T>(tmp_output, (th * p.max_splits + s) * p.v_head_size + d, p.partials_in_out_type);
-    out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(a * mg.inv);
+  __shared__ SoftmaxMerge mg;
+  __shared__ float share[PA_THREADS];  // w_s l_s of a chunk of splits, -1 for an empty one (skipped by selection)
+  if (threadIdx.x == 0) mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf());
+  __syncthreads();
+  constexpr int DIMS = 4;  // output columns per thread: up to 4 * PA_THREADS = MLA's 512
+  float acc[DIMS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s0 = 0; s0 < num_splits; s0 += PA_THREADS) {  // every split's weight once, then coalesced partial rows
+    const int s = s0 + threadIdx.x;
+    share[threadIdx.x] = s < num_splits && l[s] > 0.0f ? softmax_share(m[s], l[s], mg.mx) : -1.0f;
+    __syncthreads();
+    for (int i = 0; i < PA_THREADS && s0 + i < num_splits; ++i) {
+      const float w = share[i];
+      if (w < 0.0f) continue;
+#pragma unroll
+      for (int c = 0; c < DIMS; ++c) {
+        const int d = threadIdx.x + c * PA_THREADS;
+        if (d < p.v_head_size)
+          acc[c] += w * pa_load_partial<T>(tmp_output, (th * p.max_splits + s0 + i) * p.v_head_size + d,
+                                           p.partials_in_out_type);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int c = 0; c < DIMS; ++c) {
+    const int d = threadIdx.x + c * PA_THREADS;
+    if (d < p.v_head_size) out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(acc[c] * mg.inv);
   }
   if (lse && threadIdx.x == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
 }

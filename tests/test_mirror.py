@@ -19,10 +19,10 @@ def _probe_source() -> tuple[str, list[str], list[tuple]]:
     lines = [f"  out[{1 + i}] = reinterpret_cast<const char*>(&p.{f}) - base;" for i, f in enumerate(fields)]
     lines += [f"  out[{1 + len(fields) + i}] = cupaged::PaSmem<{hd}, {vhd}, {'true' if s else 'false'}>::FLOATS;"
               for i, (hd, vhd, s) in enumerate(smem)]
-    decode = [(c, size, hd) for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
-              for hd in attention.HEAD_BUCKETS]
-    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::PdSmem<{c}, {hd}>::BYTES;"
-              for i, (c, _, hd) in enumerate(decode)]
+    decode = [(c, size, hd, rows) for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
+              for hd in attention.HEAD_BUCKETS for rows in attention.DECODE_ROWS]
+    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::PdSmem<{c}, {hd}, {rows}>::BYTES;"
+              for i, (c, _, hd, rows) in enumerate(decode)]
     probe = ('extern "C" __global__ void pa_layout(long long* out) {\n  cupaged::PaParams p;\n'
              '  const char* base = reinterpret_cast<const char*>(&p);\n  out[0] = sizeof(cupaged::PaParams);\n'
              + "\n".join(lines) + "\n}\n")
@@ -38,7 +38,7 @@ def test_params_struct_and_shared_memory_match_the_kernel():
     assert out[1:1 + len(fields)].tolist() == [dtype.fields[f][1] for f in fields]
     n = 1 + len(fields) + len(smem)
     assert [4 * int(x) for x in out[1 + len(fields):n]] == [attention.smem_bytes(*s) for s in smem]
-    assert out[n:].tolist() == [attention.decode_smem_bytes(size, hd) for _, size, hd in decode]
+    assert out[n:].tolist() == [attention.decode_smem_bytes(size, hd, rows) for _, size, hd, rows in decode]
 
 
 def test_probe_compiles_under_nvrtc():
