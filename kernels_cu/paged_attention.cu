@@ -497,9 +497,12 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
   __syncthreads();  // every warp is done with the last stage: its bytes become the merge area
   if (lane < LPR)
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int d = 0; d < 8; ++d) wo[(warp * ROWS + r) * HD + lane * 8 + d] = o[r][d] * oscale;  // the V scale
+    for (int r = 0; r < ROWS; ++r) {  // two 16-byte stores per lane: contiguous across lanes, conflict-free
+      float* dst = wo + (warp * ROWS + r) * HD + lane * 8;
+      *reinterpret_cast<float4*>(dst) = make_float4(o[r][0] * oscale, o[r][1] * oscale, o[r][2] * oscale,
+                                                    o[r][3] * oscale);  // with the V scale
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(o[r][4] * oscale, o[r][5] * oscale, o[r][6] * oscale,
+                                                        o[r][7] * oscale);
       if (lane == 0) { wm[warp * ROWS + r] = m[r]; wl[warp * ROWS + r] = l[r]; }
     }
   __syncthreads();
