@@ -95,9 +95,16 @@ def label(r: dict) -> str:
             f"d={r['head_size']}{kv}{' causal' if r['causal'] else ''}")
 
 
+def kernels(r: dict) -> str:
+    """The row's kernels, in launch order, by their short names (paged_decode+paged_attention_reduce): which
+    version of an op a row measured."""
+    names = [x["kernel"].split("<")[0].removeprefix("cupaged::").removesuffix("_kernel") for x in r.get("launches", [])]
+    return "+".join(dict.fromkeys(names)) or "-"
+
+
 def print_model_table(rows, title="MODEL: H200 model applied to the sim's traffic counts (a proxy, not a measurement)"):
-    head = ("config", "version", "modeled µs", "GB/s", "% of peak", "% of copy", "TFLOP/s", "bound")
-    lines = [(label(r), "v1", f"{r['time_us']:.1f}", f"{r['gbps']:.0f}", f"{r['pct_of_peak_bw']:.1f}%",
+    head = ("config", "kernels", "modeled µs", "GB/s", "% of peak", "% of copy", "TFLOP/s", "bound")
+    lines = [(label(r), kernels(r), f"{r['time_us']:.1f}", f"{r['gbps']:.0f}", f"{r['pct_of_peak_bw']:.1f}%",
               f"{r['pct_of_copy_bw']:.1f}%", f"{r['tflops']:.2f}",
               "+".join(sorted({x['bound'] for x in r.get('launches', [])})) or "-") for r in rows]
     widths = [max(len(x[i]) for x in lines + [head]) for i in range(len(head))]
