@@ -96,7 +96,8 @@ def ldst(st, parts, ops):
     size = size_of(t)
     load = parts[0] == "ld"
     regs = st.vec(ops[0 if load else 1], vec) if vec > 1 else [ops[0 if load else 1]]
-    head = f"char* _p = {P}address({space}, {st.addr(ops[1 if load else 0])}, {size * vec}, {st.line}, \"{st.opcode}\");"
+    head = (f"char* _p = {P}address({space}, {st.addr(ops[1 if load else 0])}, {size * vec}, {st.line}, "
+            f"\"{st.opcode}\", {'false' if load else 'true'});")
     sign = str(t.startswith("s")).lower()
     body = [st.set(r, f"{P}load(_p + {i * size}, {size}, {sign})") if load
             else f"{P}store(_p + {i * size}, {size}, {st.val(r)});" for i, r in enumerate(regs)]

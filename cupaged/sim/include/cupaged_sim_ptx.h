@@ -72,13 +72,17 @@ inline char* shared_ptr(unsigned long long a, unsigned size, unsigned align, int
          op, a, size, g.smem_size);
   return g.smem_base + a;
 }
-inline char* global_ptr(unsigned long long a, unsigned align, int line, const char* op) {
-  if (a % align) fail(E_MEMORY, line, "%s: misaligned global address 0x%llx (needs %u-byte alignment)", op, a, align);
+inline char* global_ptr(unsigned long long a, unsigned align, int line, const char* op, bool write = false) {
+  if (a % align) {  // reported as a misaligned typed access is: the launcher names the array and the offset
+    set_error(E_MEMORY, "inline PTX (line %d): %s: misaligned global %s (needs %u-byte alignment)", line, op,
+              write ? "store" : "access", align);
+    instrumented_fault(a, write);
+  }
   return reinterpret_cast<char*>(uintptr_t(a));
 }
 // space: 0 generic, 1 global, 2 shared
-inline char* address(int space, unsigned long long a, unsigned size, int line, const char* op) {
-  return space == 2 ? shared_ptr(a, size, size, line, op) : global_ptr(a, size, line, op);
+inline char* address(int space, unsigned long long a, unsigned size, int line, const char* op, bool write = false) {
+  return space == 2 ? shared_ptr(a, size, size, line, op) : global_ptr(a, size, line, op, write);
 }
 inline unsigned long long load(const char* p, unsigned size, bool sign) {
   unsigned long long v = 0;
