@@ -52,8 +52,9 @@
 //       four sums.
 //   v3: paged_decode_kernel for short query runs (H200 model, bench_paged_attention.py --model): decode
 //       64 x 4096, 32/8 heads, d128 fp16 1036.7 -> 226.8 us (21.6% -> 98.7% of HBM peak); fp8_e4m3 1321.0 ->
-//       123.9 us (0.55x fp16); 64/8 bf16 1635.6 -> 227.8 us (98.4%); 1 x 32768 split 156.0 -> 36.1 us (77.6%,
-//       the merge now reads each split's weight once: 24.6 -> 5.5 us). 141-230 registers, no spills.
+//       115.0 us (0.51x fp16, 97.5%); 64/8 bf16 1635.6 -> 227.8 us (98.4%); 1 x 32768 split 156.0 -> 36.1 us
+//       (77.6%; the merge now reads each split's weight once: 24.6 -> 5.5 us). q kept in its own type: 128
+//       registers for 16-bit ROWS 4, 130-153 for float32, 222-255 for ROWS 8; no spills.
 //
 // Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch both kernels, reading
 //            PA_* and PaParams from this file through cupaged/_mirror.py), paged_attention.py,
@@ -552,10 +553,12 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
 // One key (row j of the stage) for the slot's lanes: q . k over the slot's lanes, then, for each row that
 // sees the key, the online-softmax step o = o * alpha + w v. Masking by selection: v is never weighted by 0.
 // `all_see`: every row sees the whole tile (the rows' bounds need not be read); `alibi`: slopes are given.
-template <int KV, int LPR, int ROWS, class CacheT>
+// q stays in its own type (16-bit pairs take half the registers; exact), scaled after the dot product.
+template <int KV, int LPR, int ROWS, class T, class CacheT>
 __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT* vrow_ptr, int key, const PaRow* rows,
-                                           int nrows, bool all_see, bool alibi, const float (&qv)[ROWS][8],
-                                           float (&o)[ROWS][8], float (&m)[ROWS], float (&l)[ROWS], float softcap) {
+                                           int nrows, bool all_see, bool alibi, const Vec<T, 8> (&qv)[ROWS],
+                                           float qscale, float (&o)[ROWS][8], float (&m)[ROWS], float (&l)[ROWS],
+                                           float softcap) {
   const PdRow8<CacheT> krow = pd_load8(krow_ptr);
   float s[ROWS], alpha[ROWS], w[ROWS];
 #pragma unroll
@@ -564,7 +567,7 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
   for (int e = 0; e < 8; e += 2) {  // 8 dimensions per lane, converted a pair at a time
     const float2 k = pd_pair<KV>(krow, e);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) s[r] = s[r] + qv[r][e] * k.x + qv[r][e + 1] * k.y;
+    for (int r = 0; r < ROWS; ++r) s[r] = s[r] + to_float(qv[r].v[e]) * k.x + to_float(qv[r].v[e + 1]) * k.y;
   }
   int seen = 0;  // rows that see this key
 #pragma unroll
@@ -574,7 +577,7 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
     alpha[r] = 1.0f;
     w[r] = 0.0f;
     if (r >= nrows || (!all_see && (key < rows[r].lo || key > rows[r].hi))) continue;
-    float x = s[r];
+    float x = s[r] * qscale;
     if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
     if (alibi) x -= rows[r].slope * fabsf(float(key - rows[r].pos));
     const float mx = fmaxf(m[r], x);
@@ -598,7 +601,7 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
 }
 
 template <class T, int KV, int HD, int ROWS>
-__global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
+__global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 2) paged_decode_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
@@ -631,7 +634,8 @@ __global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
   const int* table = dense ? nullptr : block_tables + seq * p.table_stride;
   for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < q_len * group; row0 += p.decode_tiles * ROWS) {
     const int nrows = min(ROWS, q_len * group - row0);
-    float qv[ROWS][8], o[ROWS][8], m[ROWS], l[ROWS];
+    Vec<T, 8> qv[ROWS];
+    float o[ROWS][8], m[ROWS], l[ROWS];
     int lo = 0x7fffffff, hi = -1;             // the union of the rows' visible keys: the only ones loaded
     int lo_all = 0, hi_all = 0x7fffffff;      // their intersection: keys every row sees
 #pragma unroll
@@ -652,8 +656,8 @@ __global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        qv[r][e] = r < nrows && d0 + e < p.head_size
-                       ? to_float(q[row.token * p.q_token_stride + row.head * p.q_head_stride + d0 + e]) * qscale : 0.0f;
+        qv[r].v[e] = r < nrows && d0 + e < p.head_size ? q[row.token * p.q_token_stride + row.head * p.q_head_stride + d0 + e]
+                                                      : from_float<T>(0.0f);
         o[r][e] = 0.0f;
       }
       m[r] = neg_inf();
@@ -694,7 +698,7 @@ __global__ void __launch_bounds__(PD_THREADS, 1) paged_decode_kernel(
       for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS)
         pd_consume<KV, LPR, ROWS>(reinterpret_cast<const CacheT*>(stage + j * ROW) + d0,
                                   reinterpret_cast<const CacheT*>(stage + (PD_TILE + j) * ROW) + d0, base + j, rows,
-                                  nrows, all_see, alibi_slopes != nullptr, qv, o, m, l, p.softcap);
+                                  nrows, all_see, alibi_slopes != nullptr, qv, qscale, o, m, l, p.softcap);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     pd_finish<T, HD, ROWS>(pd_smem, rows, m, l, o, oscale, nrows, split, splits.count, seq_len, out, lse, max_logits,
