@@ -197,6 +197,28 @@ __device__ __forceinline__ PaSplits pa_splits(int seq_len, const PaParams& p) {
   return {(seq_len + size - 1) / size, size};
 }
 
+// A CTA's sequence and split: where its keys are, its query run, and the keys split_lo..split_hi it covers.
+struct PaSeq {
+  long long key_row0;  // dense rows: the first key's row
+  int seq_len, q_start, q_len;
+  PaSplits splits;
+  int split_lo, split_hi;
+};
+
+__device__ __forceinline__ PaSeq pa_seq(int seq, int split, const int* block_tables, const int* seq_lens,
+                                        const int* query_start_loc, const PaParams& p) {
+  PaSeq s;
+  const bool dense = block_tables == nullptr;
+  s.key_row0 = dense ? seq_lens[seq] : 0;
+  s.seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
+  s.q_start = query_start_loc ? query_start_loc[seq] : seq;
+  s.q_len = query_start_loc ? query_start_loc[seq + 1] - s.q_start : 1;
+  s.splits = pa_splits(s.seq_len, p);
+  s.split_lo = split * s.splits.size;
+  s.split_hi = min(s.seq_len, s.split_lo + s.splits.size) - 1;
+  return s;
+}
+
 template <class T, int KV, int HD, int VHD, bool SHARED_KV>
 __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
@@ -231,14 +253,13 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
   const int kv_head = blockIdx.y, seq = blockIdx.z;
   const int split = blockIdx.x / p.tiles;
   const bool dense = block_tables == nullptr;
-  const long long key_row0 = dense ? seq_lens[seq] : 0;
-  const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
-  const int q_start = query_start_loc ? query_start_loc[seq] : seq;
-  const int q_len = query_start_loc ? query_start_loc[seq + 1] - q_start : 1;
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const long long key_row0 = sq.key_row0;
+  const int seq_len = sq.seq_len, q_start = sq.q_start, q_len = sq.q_len;
   const int group = p.num_heads / p.num_kv_heads;
-  const PaSplits splits = pa_splits(seq_len, p);
+  const PaSplits splits = sq.splits;
   if (split >= splits.count || q_len <= p.decode_max_q) return;  // idle CTA of a shape-sized grid, or decode's
-  const int split_lo = split * splits.size, split_hi = min(seq_len, split_lo + splits.size) - 1;
+  const int split_lo = sq.split_lo, split_hi = sq.split_hi;
   // Tiles of PA_ROWS rows, p.tiles apart: the grid is sized from the max_query_len hint, and a sequence
   // with more rows than the hint said still has every row computed (by its CTAs' later iterations).
   for (int row0 = (blockIdx.x % p.tiles) * PA_ROWS; row0 < q_len * group; row0 += p.tiles * PA_ROWS) {
@@ -537,7 +558,8 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
     const PaRow row = rows[r];
     const long long th = (long long)row.token * p.num_heads + row.head;
     if (partial) {
-      pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, acc * (sum > 0.0f ? 1.0f / sum : 0.0f),
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, acc * inv,
                           p.partials_in_out_type);
       if (d == 0) { max_logits[th * p.max_splits + split] = mx; exp_sums[th * p.max_splits + split] = sum; }
     }
@@ -620,20 +642,16 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
   __shared__ int ids[S::STAGES][PD_TILE + 1];  // block ids of the tile in each stage
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
   const bool dense = block_tables == nullptr;
-  const long long key_row0 = dense ? seq_lens[seq] : 0;
-  const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
-  const int q_start = query_start_loc ? query_start_loc[seq] : seq;
-  const int q_len = query_start_loc ? query_start_loc[seq + 1] - q_start : 1;
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
   const int group = p.num_heads / p.num_kv_heads;
-  const PaSplits splits = pa_splits(seq_len, p);
-  if (q_len > p.decode_max_q || split >= splits.count) return;  // a longer run is paged_attention_kernel's
-  const int split_lo = split * splits.size, split_hi = min(seq_len, split_lo + splits.size) - 1;
+  if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_attention_kernel's
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
-  const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
+  const float qscale =
+      p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
   const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
   const int* table = dense ? nullptr : block_tables + seq * p.table_stride;
-  for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < q_len * group; row0 += p.decode_tiles * ROWS) {
-    const int nrows = min(ROWS, q_len * group - row0);
+  for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {
+    const int nrows = min(ROWS, sq.q_len * group - row0);
     Vec<T, 8> qv[ROWS];
     float o[ROWS][8], m[ROWS], l[ROWS];
     int lo = 0x7fffffff, hi = -1;             // the union of the rows' visible keys: the only ones loaded
@@ -643,11 +661,11 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
       PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0};
       if (r < nrows) {
         const int i = (row0 + r) / group;
-        row.pos = seq_len - q_len + i;
-        row.token = q_start + i;
+        row.pos = sq.seq_len - sq.q_len + i;
+        row.token = sq.q_start + i;
         row.head = kv_head * group + (row0 + r) % group;
-        row.lo = max(p.window > 0 ? max(0, row.pos - p.window + 1) : 0, split_lo);
-        row.hi = min(p.causal ? row.pos : seq_len - 1, split_hi);
+        row.lo = max(p.window > 0 ? max(0, row.pos - p.window + 1) : 0, sq.split_lo);
+        row.hi = min(p.causal ? row.pos : sq.seq_len - 1, sq.split_hi);
         row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
         row.sink = sinks ? sinks[row.head] : neg_inf();
         if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
@@ -656,8 +674,8 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        qv[r].v[e] = r < nrows && d0 + e < p.head_size ? q[row.token * p.q_token_stride + row.head * p.q_head_stride + d0 + e]
-                                                      : from_float<T>(0.0f);
+        qv[r].v[e] = r < nrows && d0 + e < p.head_size
+                         ? q[row.token * p.q_token_stride + row.head * p.q_head_stride + d0 + e] : from_float<T>(0.0f);
         o[r][e] = 0.0f;
       }
       m[r] = neg_inf();
@@ -674,7 +692,7 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
     for (int u = 0; u < S::STAGES - 1; ++u) {  // the pipeline's prologue: STAGES - 1 tiles in flight
       if (u < ntiles)
         pd_issue<CacheT, HD>(pd_smem + u * S::STAGE, key_cache, value_cache, table ? ids[u] : nullptr,
-                             pd_tile(lo, hi, u, p.block_size), key_row0, kv_head, p);
+                             pd_tile(lo, hi, u, p.block_size), sq.key_row0, kv_head, p);
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
     int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed
@@ -688,7 +706,7 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
       __syncthreads();  // everyone's landed (and the ids above are visible); tile t - 1's stage is free again
       if (next < ntiles)
         pd_issue<CacheT, HD>(pd_smem + next % S::STAGES * S::STAGE, key_cache, value_cache,
-                             table ? ids[next % S::STAGES] : nullptr, tile, key_row0, kv_head, p);
+                             table ? ids[next % S::STAGES] : nullptr, tile, sq.key_row0, kv_head, p);
       asm volatile("cp.async.commit_group;\n" ::: "memory");
       const PdTile after = pd_tile(lo, hi, next + 1, p.block_size);
       if (table && next + 1 < ntiles && threadIdx.x < after.blocks) next_id = table[after.first_block + threadIdx.x];
@@ -701,8 +719,8 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
                                   nrows, all_see, alibi_slopes != nullptr, qv, qscale, o, m, l, p.softcap);
     }
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    pd_finish<T, HD, ROWS>(pd_smem, rows, m, l, o, oscale, nrows, split, splits.count, seq_len, out, lse, max_logits,
-                           exp_sums, tmp_output, p);
+    pd_finish<T, HD, ROWS>(pd_smem, rows, m, l, o, oscale, nrows, split, sq.splits.count, sq.seq_len, out, lse,
+                           max_logits, exp_sums, tmp_output, p);
   }
 }
 
@@ -761,7 +779,8 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
 #pragma unroll
   for (int c = 0; c < DIMS; ++c) {
     const int d = threadIdx.x + c * PA_THREADS;
-    if (d < p.v_head_size) out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(acc[c] * mg.inv);
+    if (d < p.v_head_size)
+      out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(acc[c] * mg.inv);
   }
   if (lse && threadIdx.x == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
 }
