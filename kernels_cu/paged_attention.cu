@@ -431,6 +431,7 @@ constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernel take
 
 template <class CacheT, int HD, int ROWS>
 struct PdSmem {
+  static_assert(ROWS <= HD / 8, "the score reduction hands rows to lanes: ROWS <= LPR");
   static constexpr int STAGE = 2 * PD_TILE * HD * int(sizeof(CacheT));  // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
   static constexpr int MERGE = 4 * ROWS * (HD + 2) * 4;                 // per warp: m, l, o of each row
@@ -591,11 +592,33 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) s[r] = s[r] + to_float(qv[r].v[e]) * k.x + to_float(qv[r].v[e + 1]) * k.y;
   }
+  // The slot's LPR lanes each hold a part of every row's dot product. With 8 rows, each halving step hands
+  // half of the rows to the partner lane (ROWS - 1 shuffles in all), a plain tree finishes, lane i of the slot
+  // then holds row i / (LPR / ROWS)'s total and every lane fetches each row's: 2 ROWS - 1 + log2(LPR / ROWS)
+  // shuffles, not ROWS log2(LPR). With 4 rows a tree per row keeps the kernel within 128 registers.
+  if constexpr (ROWS == 8) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int h = ROWS / 2, off = LPR / 2; h >= 1; h /= 2, off /= 2) {
+      const bool upper = lane & off;
+#pragma unroll
+      for (int i = 0; i < h; ++i) {
+        const float give = upper ? s[i] : s[i + h];
+        s[i] = (upper ? s[i + h] : s[i]) + __shfl_xor_sync(0xffffffffu, give, off);
+      }
+    }
+#pragma unroll
+    for (int off = LPR / ROWS / 2; off > 0; off >>= 1) s[0] += __shfl_xor_sync(0xffffffffu, s[0], off);
+    const float mine = s[0];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) s[r] = __shfl_sync(0xffffffffu, mine, (lane & ~(LPR - 1)) + r * (LPR / ROWS));
+  }
   int seen = 0;  // rows that see this key
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
+    if constexpr (ROWS != 8)  // a tree per row, interleaved with its softmax step (fewer live registers)
 #pragma unroll
-    for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);  // the slot's tree
+      for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
     alpha[r] = 1.0f;
     w[r] = 0.0f;
     if (r >= nrows || (!all_see && (key < rows[r].lo || key > rows[r].hi))) continue;
