@@ -195,6 +195,12 @@ def _kernel(plan: AttentionPlan, name: str, shared_mem: int, xp):
     return kernel
 
 
+def _block_shift(block_size: int) -> int:
+    """log2(block_size) for a power of two (the decode kernel shifts), else -1 (it divides)."""
+    n = int(block_size)
+    return n.bit_length() - 1 if n & (n - 1) == 0 else -1
+
+
 def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
     want = (plan.num_tokens, plan.num_heads, plan.head_size, plan.dtype, plan.num_kv_heads, plan.v_head_size, plan.kv)
     got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
@@ -239,7 +245,8 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
         num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
         head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
         kv_split_size=plan.kv_split_size, max_splits=plan.max_splits, tiles=plan.tiles, vec_k=int(kv.vec_k),
-        vec_v=int(kv.vec_v), decode_tiles=plan.decode_tiles, decode_max_q=plan.decode_max_q, **kv.strides)
+        vec_v=int(kv.vec_v), decode_tiles=plan.decode_tiles, decode_max_q=plan.decode_max_q,
+        block_shift=_block_shift(kv.block_size), **kv.strides)
     p = _packed_params(_params_packer()[1](fields))  # struct PaParams
 
     def label():

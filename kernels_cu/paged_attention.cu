@@ -109,6 +109,7 @@ struct PaParams {
   int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
   int decode_tiles;  // paged_decode_kernel's grid: row tiles of its ROWS (as tiles is paged_attention_kernel's)
   int decode_max_q;  // sequences with q_len <= decode_max_q are paged_decode_kernel's, the rest the other's
+  int block_shift;   // log2(block_size) when it is a power of two (shifts, not a division per copy), else -1
 };
 
 // Up to X elements (stride apart; `left` remain in the row) of a cache row as float32: one 16-byte
@@ -466,8 +467,9 @@ __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key
     const int is_v = i / (PD_TILE * CHUNKS), j = i / CHUNKS % PD_TILE, c = i % CHUNKS;
     if (j >= tile.n) continue;
     const int pos = tile.base + j;
-    const long long block = ids ? ids[pos / p.block_size - tile.first_block] : 0;
-    const long long off = ids ? pos % p.block_size : key_row0 + pos;
+    const int b = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+    const long long block = ids ? ids[b - tile.first_block] : 0;
+    const long long off = ids ? pos - b * p.block_size : key_row0 + pos;
     const CacheT* src = is_v ? value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
                                    off * p.v_page_stride + c * X
                              : key_cache + block * p.k_block_stride + kv_head * p.k_head_stride +
