@@ -721,8 +721,9 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
     int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed
-    if (table && S::STAGES - 1 < ntiles && threadIdx.x < pd_tile(lo, hi, S::STAGES - 1, p.block_size).blocks)
-      next_id = table[pd_tile(lo, hi, S::STAGES - 1, p.block_size).first_block + threadIdx.x];
+    const PdTile first_next = pd_tile(lo, hi, S::STAGES - 1, p.block_size);
+    if (table && S::STAGES - 1 < ntiles && threadIdx.x < first_next.blocks)
+      next_id = table[first_next.first_block + threadIdx.x];
     for (int t = 0; t < ntiles; ++t) {
       const int next = t + S::STAGES - 1;
       const PdTile tile = pd_tile(lo, hi, next, p.block_size);
