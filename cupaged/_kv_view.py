@@ -45,10 +45,11 @@ class KvView:
 
     @property
     def decodable(self) -> bool:
-        """The decode kernel can read it: K and V rows of one head size, contiguous and 16-byte aligned
-        (flash NHD / HND caches and dense rows; not the vLLM layout or MLA's shared rows)."""
-        return (self.kind != "mla" and self.head_size == self.v_head_size and self.vec_k and self.vec_v
-                and self.strides["v_dim_stride"] == 1)
+        """A decode kernel can read it: rows contiguous and 16-byte aligned; paged_decode_kernel's K and V of one
+        head size (flash NHD / HND caches and dense rows; not the vLLM layout), mla_decode_kernel's latent rows."""
+        if self.kind == "mla":
+            return self.vec_k
+        return self.head_size == self.v_head_size and self.vec_k and self.vec_v and self.strides["v_dim_stride"] == 1
 
     @functools.cached_property
     def key_id(self) -> str:

@@ -34,6 +34,7 @@ HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact si
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
 _TYPES = ("float", "__half", "__nv_bfloat16")
 DECODE_ROWS = (4, 8)  # the decode kernel's query rows per CTA: a GQA group of up to 4, or up to 8 (registers)
+MLA_TILES = (1, 4)  # the MLA decode kernel's m16 tiles of query heads per CTA: 16 heads (128 threads) or 64 (512)
 
 
 def _main(t, kv, hd, vhd, shared):
@@ -48,19 +49,25 @@ def _decode(t, kv, hd, rows):
     return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}, {rows}>"
 
 
+def _mla(t, kv, mt):
+    return f"cupaged::mla_decode_kernel<{t}, {kv}, {mt}>"
+
+
 FAMILY = KernelFamily("paged_attention", [
     *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
     *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
     *(_reduce(t) for t in _TYPES),
     *(_decode(t, kv, hd, rows) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS for rows in DECODE_ROWS),
+    *(_mla(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
 ])
 ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_constants() -> dict[str, int]:
-    """PA_* and PD_* (the decode kernel's) as kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q")
+    """PA_*, PD_* (the decode kernel's) and MD_* (MLA decode's) as kernels_cu/paged_attention.cu defines them."""
+    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q", "MD_HD",
+                     "MD_PSTRIDE")
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,6 +105,35 @@ def decode_smem_bytes(cache_itemsize: int, hd: int, rows: int) -> int:
     stage = 2 * kernel_constants()["PD_TILE"] * hd * cache_itemsize
     stages = 4 if 4 * stage <= 65536 else 3 if 3 * stage <= 98304 else 2
     return max(stages * stage, 4 * rows * (hd + 2) * 4)
+
+
+def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
+    """Dynamic shared memory of the MLA decode kernel: MdSmem<CacheT, MT>::BYTES (its stages of padded latent
+    rows, fp8's converted tile, the score partials, P's two parts and the rows' state)."""
+    c = kernel_constants()
+    tile, width, pad, rows = c["PD_TILE"], c["MD_HD"], c["MD_PSTRIDE"], 16 * mt
+    stages = 2 if mt == 1 else 3
+    converted = tile * (2 * width + 16) if cache_itemsize == 1 else 0
+    return stages * tile * (width * cache_itemsize + 16) + converted + rows * pad * (4 * 4 + 2 * 2) + 4 * rows * 4
+
+
+def _decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable):
+    """(kernel, decode_max_q, tiles, threads, shared bytes) of the decode kernel the plan routes short query runs
+    to, or None: paged_decode_kernel (flash / dense rows, q_len <= PD_MAX_Q), mla_decode_kernel (16-bit q over a
+    paged latent cache, q_len 1), or none of them (every row stays on paged_attention_kernel)."""
+    if not decodable:
+        return None
+    if kind == "mla":
+        if q_dtype.itemsize != 2 or dense:
+            return None
+        mt = MLA_TILES[0] if num_heads <= 16 * MLA_TILES[0] else MLA_TILES[-1]
+        return (_mla(t, kv, mt), ALL_ROWS if max_q <= 1 else 1, -(-num_heads // (16 * mt)), 128 * mt,
+                mla_smem_bytes(cache_itemsize, mt))
+    c = kernel_constants()
+    short = min(max_q, c["PD_MAX_Q"])
+    rows = DECODE_ROWS[0] if short * group <= DECODE_ROWS[0] else DECODE_ROWS[1]
+    return (_decode(t, kv, hd, rows), ALL_ROWS if max_q <= c["PD_MAX_Q"] else c["PD_MAX_Q"], -(-short * group // rows),
+            c["PD_THREADS"], decode_smem_bytes(cache_itemsize, hd, rows))
 
 
 def choose_split(xp, ctas: int, max_kv: int) -> int:
@@ -138,11 +174,14 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     consts = kernel_constants()
     group = num_heads // num_kv_heads
     max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
-    # Sequences whose query run is short take the decode kernel; with a hint saying every run is short it
+    t, kv = CTYPE[q_dtype], KV_CODE[kv_cache_dtype]
+    shared = kind == "mla"
+    hd, vhd = MLA_BUCKET if shared else (next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)),) * 2
+    cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
+    # Sequences whose query run is short take a decode kernel; with a hint saying every run is short it
     # takes them all (an understated hint stays correct), else the longer ones take paged_attention_kernel.
-    decode_max_q = 0 if not decodable else ALL_ROWS if max_q <= consts["PD_MAX_Q"] else consts["PD_MAX_Q"]
-    rows = DECODE_ROWS[0] if min(max_q, consts["PD_MAX_Q"]) * group <= DECODE_ROWS[0] else DECODE_ROWS[1]
-    decode_tiles = -(-min(max_q, consts["PD_MAX_Q"]) * group // rows) if decode_max_q else 0
+    route = _decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable)
+    decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
     ctas = num_seqs * num_kv_heads * (decode_tiles if decode_max_q == ALL_ROWS else tiles)
@@ -150,10 +189,6 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     if max_splits is None:
         max_splits = max(1, -(-max_kv // split)) if split else 1
     split = split if max_splits > 1 else 0
-    t, kv = CTYPE[q_dtype], KV_CODE[kv_cache_dtype]
-    shared = kind == "mla"
-    hd, vhd = MLA_BUCKET if shared else (next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)),) * 2
-    cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
     return AttentionPlan(
         op="mla_decode" if shared else "decode" if decode else "prefill", num_tokens=num_tokens, num_heads=num_heads,
         num_seqs=num_seqs, num_kv_heads=num_kv_heads, head_size=head_size, v_head_size=v_head_size, dtype=t,
@@ -162,10 +197,8 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
         threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
         kernel=None if decode_max_q == ALL_ROWS else _main(t, kv, hd, vhd, shared),
         reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None,
-        decode_kernel=_decode(t, kv, hd, rows) if decode_max_q else None,
-        decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_max_q else (),
-        decode_threads=consts["PD_THREADS"] if decode_max_q else 0,
-        decode_shared_mem=decode_smem_bytes(cache_itemsize, hd, rows) if decode_max_q else 0,
+        decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
+        decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),
         decode_tiles=decode_tiles, decode_max_q=decode_max_q)
 
 

@@ -68,6 +68,7 @@
 // Benchmark: python profiling/bench_paged_attention.py; python profiling/bench_mla.py (MLA decode)
 #include "common.cuh"
 #include "softmax.cuh"
+#include "tensor_core.cuh"
 
 namespace cupaged {
 
@@ -748,6 +749,312 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
     pd_finish<T, HD, ROWS>(pd_smem, rows, m, l, o, oscale, nrows, split, sq.splits.count, sq.seq_len, out, lse,
                            max_logits, exp_sums, tmp_output, p);
   }
+}
+
+// ---- MLA decode on tensor cores: one query per sequence (q_len 1) over the latent cache, 16-bit q (the plan
+// routes float32, longer query runs and misaligned caches to paged_attention_kernel). A CTA takes ROWS = 16 MT
+// query heads of one sequence and split; the latent rows (key = the row, value = its first v_head_size
+// entries) arrive in stages of MD_TILE keys through a cp.async pipeline, stay in shared memory in their own
+// type (fp8 is converted to q's type once per tile, exactly) and feed both products:
+//   scores S = Q K^T: warp w takes m tile w / 4 over the k16 steps of quarter w % 4 (q in registers, 36 per
+//     lane), K fragments by ldmatrix; the four partial sums go through shared memory;
+//   softmax: warp w owns rows 4w..4w+3 (8 lanes a row): the partials summed in a fixed order, scale, softcap,
+//     ALiBi, the online (m, l) step, P = e^{s - m} split into hi + lo 16-bit parts (P V at fp32-P accuracy);
+//   P V: warp w takes MW m tiles and a slice of the 512 columns (64 fp32 accumulators a lane), V fragments
+//     by ldmatrix.trans, two mmas (hi, lo) per fragment pair.
+// Every (head, key) pair a CTA sees is visible (one query position): the tile's rows past the split's last
+// key are zero-filled, never loaded, so a masked weight never meets a loaded value.
+constexpr int MD_HD = 576;       // the latent row's capacity (attention.py MLA_BUCKET; values: its first 512)
+constexpr int MD_PSTRIDE = 40;   // padded rows: score partials (floats) and P (16-bit elements)
+
+template <class CacheT, int MT>
+struct MdSmem {
+  static constexpr int ROWS = 16 * MT;
+  static constexpr int ROW = MD_HD * int(sizeof(CacheT)) + 16;  // a stage's row, bytes (+16: conflict-free)
+  static constexpr int TROW = MD_HD * 2 + 16;                   // a 16-bit row, the mma operands' tile
+  static constexpr int STAGE = PD_TILE * ROW;
+  static constexpr int STAGES = MT == 1 ? 2 : 3;                // MT 1: 2 CTAs an SM; MT 4: fits sm_80
+  static constexpr int CONV = STAGES * STAGE;                   // fp8: the converted tile
+  static constexpr int SPART = CONV + (sizeof(CacheT) == 1 ? PD_TILE * TROW : 0);  // [4][ROWS][40] floats
+  static constexpr int PHI = SPART + 4 * ROWS * MD_PSTRIDE * 4;  // [ROWS][40] T, P's high parts
+  static constexpr int PLO = PHI + ROWS * MD_PSTRIDE * 2;        // and its low parts
+  static constexpr int ALPHA = PLO + ROWS * MD_PSTRIDE * 2;      // [ROWS] this tile's rescale factors
+  static constexpr int STATE = ALPHA + ROWS * 4;                 // [3][ROWS] each row's m, l and ALiBi slope
+  static constexpr int BYTES = STATE + 3 * ROWS * 4;
+};
+
+// Issue tile `tile`'s latent rows into a stage; rows past tile.n and bytes past head_size are zero-filled.
+template <class CacheT, int ROW>
+__device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_cache, const int* ids, PdTile tile,
+                                         const PaParams& p) {
+  constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = MD_HD / X;
+  for (int i = threadIdx.x; i < PD_TILE * CHUNKS; i += blockDim.x) {
+    const int j = i / CHUNKS, c = i - j * CHUNKS;
+    const CacheT* src = kv_cache;
+    int bytes = 0;
+    if (j < tile.n) {
+      const int pos = tile.base + j;
+      const int b = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+      src += (long long)ids[b - tile.first_block] * p.k_block_stride + (pos - b * p.block_size) * p.k_page_stride + c * X;
+      bytes = min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
+    }
+    pd_copy16(stage + j * ROW + c * 16, bytes ? src : kv_cache, bytes);
+  }
+}
+
+// fp8 stage -> the 16-bit tile, 8 codes a thread (8-byte reads, 16-byte writes: conflict-free); exact.
+template <int KV, class T, int ROW, int TROW>
+__device__ __forceinline__ void md_convert(unsigned char* dst, const unsigned char* src) {
+  constexpr int CHUNKS = MD_HD / 8;
+  for (int i = threadIdx.x; i < PD_TILE * CHUNKS; i += blockDim.x) {
+    const int j = i / CHUNKS, c = i - j * CHUNKS;
+    const uint2 codes = *reinterpret_cast<const uint2*>(src + j * ROW + c * 8);
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const unsigned short pair = (unsigned short)((k < 2 ? codes.x : codes.y) >> (16 * (k % 2)));
+      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, KV == KV_E4M3 ? __NV_E4M3 : __NV_E5M2));
+      const float2 f = __half22float2(h);
+      w[k] = tc_pack<T>(from_float<T>(f.x), from_float<T>(f.y));
+    }
+    *reinterpret_cast<uint4*>(dst + j * TROW + c * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Warp w's partial scores: m tile w / 4 (16 heads) x the tile's 32 keys over k16 steps 9 (w % 4) .. + 8, 16
+// keys at a time (q stays in registers; 8 accumulators live, not 16).
+template <class T, int ROWS, int TROW>
+__device__ __forceinline__ void md_scores(float* spart, const unsigned char* kt, const unsigned (&qa)[9][4], int warp,
+                                          int lane) {
+  const int kq = warp & 3, i = lane >> 3;
+  float* dst = spart + (kq * ROWS + (warp >> 2) * 16 + (lane >> 2)) * MD_PSTRIDE + 2 * (lane & 3);
+#pragma unroll 1
+  for (int np = 0; np < 2; ++np) {  // keys 16 np .. 16 np + 15: b0, b1 of two n tiles
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int k = 0; k < 9; ++k) {
+      unsigned b[4];
+      tc_ldmatrix_x4(b, kt + (np * 16 + (i >> 1) * 8 + (lane & 7)) * TROW + ((kq * 9 + k) * 16 + (i & 1) * 8) * 2);
+      tc_mma<T>(s[0], qa[k], b[0], b[1]);
+      tc_mma<T>(s[1], qa[k], b[2], b[3]);
+    }
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      *reinterpret_cast<float2*>(dst + 16 * np + 8 * n) = make_float2(s[n][0], s[n][1]);
+      *reinterpret_cast<float2*>(dst + 8 * MD_PSTRIDE + 16 * np + 8 * n) = make_float2(s[n][2], s[n][3]);
+    }
+  }
+}
+
+// Row r = 4 warp + lane / 8, keys 4 (lane % 8) .. + 3 of a tile with n keys from `base`: the online-softmax
+// step of the row's (m, l, slope) in `state` (shared memory: registers are q's and o's), P's hi / lo parts
+// and the row's rescale factor.
+template <class T, int ROWS>
+__device__ __forceinline__ void md_softmax(unsigned char* smem_spart, T* phi, T* plo, float* alpha_s, float* state,
+                                           int r, int j0, int n, int base, int pos, float qscale, float softcap) {
+  const float m = state[r], l = state[ROWS + r], slope = state[2 * ROWS + r];
+  const float* sp = reinterpret_cast<const float*>(smem_spart) + r * MD_PSTRIDE + j0;
+  float4 acc = *reinterpret_cast<const float4*>(sp);
+#pragma unroll
+  for (int kq = 1; kq < 4; ++kq) {
+    const float4 x = *reinterpret_cast<const float4*>(sp + kq * ROWS * MD_PSTRIDE);
+    acc = make_float4(acc.x + x.x, acc.y + x.y, acc.z + x.z, acc.w + x.w);
+  }
+  float x[4] = {acc.x, acc.y, acc.z, acc.w}, mx = neg_inf();
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float s = x[e] * qscale;
+    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+    s -= slope * fabsf(float(base + j0 + e - pos));
+    x[e] = j0 + e < n ? s : neg_inf();
+    mx = fmaxf(mx, x[e]);
+  }
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float m_new = fmaxf(m, mx);
+  const float alpha = m == neg_inf() ? 0.0f : expf(m - m_new);
+  float sum = 0.0f;
+  Vec<T, 4> hi, lo;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float w = x[e] == neg_inf() ? 0.0f : expf(x[e] - m_new);  // masking by selection
+    sum += w;
+    hi.v[e] = from_float<T>(w);
+    lo.v[e] = from_float<T>(w - to_float(hi.v[e]));
+  }
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if (j0 == 0) {  // every lane of the row has read the state (the shuffles above converged them)
+    alpha_s[r] = alpha;
+    state[r] = m_new;
+    state[ROWS + r] = l * alpha + sum;
+  }
+  store_vec<T, 4>(phi + r * MD_PSTRIDE + j0, hi);
+  store_vec<T, 4>(plo + r * MD_PSTRIDE + j0, lo);
+}
+
+// o = o * alpha + P V for warp w's MW m tiles (rows row0 ..) and NC n8 tiles of columns c0 .., over k8 steps
+// of keys (m16n8k8: half the fragment registers of k16, so q, o and the fragments fit 128 registers).
+template <class T, int MW, int NC, int TROW>
+__device__ __forceinline__ void md_values(float (&o)[MW][NC][4], const unsigned char* kt, const T* phi,
+                                          const T* plo, const float* alpha_s, int row0, int c0, int lane) {
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi) {
+    const float a0 = alpha_s[row0 + 16 * mi + (lane >> 2)], a1 = alpha_s[row0 + 16 * mi + (lane >> 2) + 8];
+#pragma unroll
+    for (int n = 0; n < NC; ++n) { o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1; }
+  }
+#pragma unroll 1
+  for (int kk = 0; kk < PD_TILE / 8; ++kk) {  // not unrolled: fragments hoisted across steps would spill
+    unsigned ph[MW][2], pl[MW][2];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {  // lanes 0-15 address the 16 rows of keys 8 kk .. + 7
+      const int at = (row0 + 16 * mi + (lane & 15)) * MD_PSTRIDE + 8 * kk;
+      tc_ldmatrix_x2(ph[mi], phi + at);
+      tc_ldmatrix_x2(pl[mi], plo + at);
+    }
+#pragma unroll
+    for (int nq = 0; nq < NC / 4; ++nq) {  // columns c0 + 32 nq .. + 31: b0 of four n tiles (.trans of [key][col])
+      unsigned b[4];
+      tc_ldmatrix_x4_trans(b, kt + (8 * kk + (lane & 7)) * TROW + (c0 + 32 * nq + (lane >> 3) * 8) * 2);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          tc_mma_k8<T>(o[mi][4 * nq + i], pl[mi], b[i]);
+          tc_mma_k8<T>(o[mi][4 * nq + i], ph[mi], b[i]);
+        }
+    }
+  }
+}
+
+// The end of a CTA: each lane's (row, column pair) of o, finished (sink, LSE) or written as a split's partials.
+template <class T, int MW, int NC>
+__device__ __forceinline__ void md_finish(const float (&o)[MW][NC][4], const float* state, int rows, int row0,
+                                          int c0, int head0, int token, int split, int num_splits, int seq_len,
+                                          float oscale, const float* sinks, T* out, float* lse, float* max_logits,
+                                          float* exp_sums, void* tmp_output, const PaParams& p) {
+  const int lane = threadIdx.x & 31;
+  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + 16 * mi + (lane >> 2) + 8 * h, head = head0 + r;
+      if (head >= p.num_heads) continue;
+      const float m = state[r], l = state[rows + r];
+      const long long th = (long long)token * p.num_heads + head;
+      const SoftmaxFinish fin = softmax_finish(m, l, sinks ? sinks[head] : neg_inf());
+      const float fp = oscale * (l > 0.0f ? 1.0f / l : 0.0f), fo = oscale * fin.scale;
+#pragma unroll
+      for (int n = 0; n < NC; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = c0 + 8 * n + 2 * (lane & 3) + e;
+          if (d >= p.v_head_size) continue;
+          if (partial)
+            pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, o[mi][n][2 * h + e] * fp,
+                                p.partials_in_out_type);
+          if (num_splits == 1)
+            out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(o[mi][n][2 * h + e] * fo);
+        }
+      if (c0 == 0 && (lane & 3) == 0) {
+        if (partial) { max_logits[th * p.max_splits + split] = m; exp_sums[th * p.max_splits + split] = l; }
+        if (num_splits == 1 && lse) lse[(long long)head * p.num_tokens + token] = fin.lse;
+      }
+    }
+}
+
+template <class T, int KV, int MT>
+__global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
+    const T* __restrict__ q,                 // [num_tokens, num_heads, head_size <= 576]
+    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // [num_blocks, block_size, head_size] latent
+    const typename CacheType<KV, T>::type* __restrict__ value_cache,  // the same array (rows 16-byte aligned)
+    const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens,        // [num_seqs]
+    const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
+    const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] or nullptr
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
+    void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
+  typedef typename CacheType<KV, T>::type CacheT;
+  typedef MdSmem<CacheT, MT> S;
+  constexpr int MW = MT == 1 ? 1 : 2, NC = 16 / MW;  // P V: m tiles and n8 column tiles of a warp
+  extern __shared__ __align__(16) unsigned char md_smem[];
+  __shared__ int ids[S::STAGES][PD_TILE + 1];  // block ids of the tile in each stage
+  const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, head0 = blockIdx.x % p.decode_tiles * S::ROWS;
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  if (sq.q_len > p.decode_max_q || sq.q_len == 0 || split >= sq.splits.count) return;  // another kernel's
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, token = sq.q_start, pos = sq.seq_len - 1;
+  const int lo = max(p.window > 0 ? max(0, pos - p.window + 1) : 0, sq.split_lo), hi = min(pos, sq.split_hi);
+  const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, 0, 0));
+  const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, 0, 0);
+  unsigned qa[9][4];  // A fragments of m tile warp / 4 over k16 steps 9 (warp % 4) .. + 8
+#pragma unroll
+  for (int k = 0; k < 9; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int head = head0 + (warp >> 2) * 16 + (lane >> 2) + (i & 1) * 8;
+      const int d = ((warp & 3) * 9 + k) * 16 + 2 * (lane & 3) + (i >> 1) * 8;
+      const T* row = q + token * p.q_token_stride + head * p.q_head_stride;
+      const bool live = head < p.num_heads;
+      qa[k][i] = tc_pack<T>(live && d < p.head_size ? row[d] : from_float<T>(0.0f),
+                            live && d + 1 < p.head_size ? row[d + 1] : from_float<T>(0.0f));
+    }
+  const int r = 4 * warp + (lane >> 3), j0 = (lane & 7) * 4;  // the softmax lane's row and keys
+  float* state = reinterpret_cast<float*>(md_smem + S::STATE);
+  if (j0 == 0) {
+    state[r] = neg_inf();
+    state[S::ROWS + r] = 0.0f;
+    state[2 * S::ROWS + r] = alibi_slopes && head0 + r < p.num_heads ? alibi_slopes[head0 + r] : 0.0f;
+  }
+  const int row0 = 16 * MW * (warp / (4 * MW)), c0 = 8 * NC * (warp % (4 * MW));  // the P V slice
+  float o[MW][NC][4];
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int n = 0; n < NC; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
+  T* phi = reinterpret_cast<T*>(md_smem + S::PHI);
+  T* plo = reinterpret_cast<T*>(md_smem + S::PLO);
+  float* alpha_s = reinterpret_cast<float*>(md_smem + S::ALPHA);
+  const int* table = block_tables + seq * p.table_stride;
+  const int ntiles = hi >= lo ? (hi - lo) / PD_TILE + 1 : 0;
+  for (int u = 0; u < S::STAGES - 1 && u < ntiles; ++u) {  // the first tiles' block ids
+    const PdTile tile = pd_tile(lo, hi, u, p.block_size);
+    for (int b = threadIdx.x; b < tile.blocks; b += blockDim.x) ids[u][b] = table[tile.first_block + b];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < S::STAGES - 1; ++u) {  // the pipeline's prologue: STAGES - 1 tiles in flight
+    if (u < ntiles) md_issue<CacheT, S::ROW>(md_smem + u * S::STAGE, key_cache, ids[u], pd_tile(lo, hi, u, p.block_size), p);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  for (int t = 0; t < ntiles; ++t) {
+    const int next = t + S::STAGES - 1;
+    const PdTile tile = pd_tile(lo, hi, next, p.block_size);
+    if (next < ntiles && threadIdx.x < tile.blocks) ids[next % S::STAGES][threadIdx.x] = table[tile.first_block + threadIdx.x];
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
+    __syncthreads();  // everyone's landed, the ids above are visible, and tile t - 1 is consumed
+    if (next < ntiles) md_issue<CacheT, S::ROW>(md_smem + next % S::STAGES * S::STAGE, key_cache, ids[next % S::STAGES], tile, p);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    const unsigned char* kt = md_smem + t % S::STAGES * S::STAGE;
+    if constexpr (KV != KV_AUTO) {
+      md_convert<KV, T, S::ROW, S::TROW>(md_smem + S::CONV, kt);
+      kt = md_smem + S::CONV;
+      __syncthreads();
+    }
+    md_scores<T, S::ROWS, S::TROW>(reinterpret_cast<float*>(md_smem + S::SPART), kt, qa, warp, lane);
+    __syncthreads();  // the four partial sums of every score are in
+    const int base = lo + t * PD_TILE;
+    md_softmax<T, S::ROWS>(md_smem + S::SPART, phi, plo, alpha_s, state, r, j0, min(PD_TILE, hi - base + 1), base,
+                           pos, qscale, p.softcap);
+    __syncthreads();  // P and the rescale factors are in
+    md_values<T, MW, NC, S::TROW>(o, kt, phi, plo, alpha_s, row0, c0, lane);
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();  // the last tile's (m, l) are in
+  md_finish<T, MW, NC>(o, state, S::ROWS, row0, c0, head0, token, split, sq.splits.count, sq.seq_len, oscale, sinks,
+                       out, lse, max_logits, exp_sums, tmp_output, p);
 }
 
 template <class T>
