@@ -66,8 +66,7 @@ ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 @functools.lru_cache(maxsize=None)
 def kernel_constants() -> dict[str, int]:
     """PA_*, PD_* (the decode kernel's) and MD_* (MLA decode's) as kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q", "MD_HD",
-                     "MD_SSTRIDE", "MD_PSTRIDE")
+    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q", "MD_HD")
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,16 +106,14 @@ def decode_smem_bytes(cache_itemsize: int, hd: int, rows: int) -> int:
     return max(stages * stage, 4 * rows * (hd + 2) * 4)
 
 
-def mla_smem_bytes(cache_itemsize: int, mt: int, parts: int) -> int:
-    """Dynamic shared memory of the MLA decode kernel: MdSmem<CacheT, T, MT>::BYTES (its stages of padded latent
-    rows, fp8's converted tile, the score partials, P's ``parts`` (MdParts: 2 for fp16, 3 for bf16) and the rows'
-    state)."""
+def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
+    """Dynamic shared memory of the MLA decode kernel: MdSmem<CacheT, MT>::BYTES (its stages of padded latent
+    rows, fp8's converted tile, the score partials, P and the rows' state)."""
     c = kernel_constants()
     tile, width, rows = c["PD_TILE"], c["MD_HD"], 16 * mt
     stages = 2 if mt == 1 else 3
     converted = tile * (2 * width + 16) if cache_itemsize == 1 else 0
-    return (stages * tile * (width * cache_itemsize + 16) + converted + rows * 4 * c["MD_SSTRIDE"] * 4
-            + parts * rows * c["MD_PSTRIDE"] * 2 + 4 * rows * 4)
+    return stages * tile * (width * cache_itemsize + 16) + converted + 5 * rows * tile * 4 + 4 * rows * 4
 
 
 def _decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable):
@@ -130,7 +127,7 @@ def _decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_items
             return None
         mt = MLA_TILES[0] if num_heads <= 16 * MLA_TILES[0] else MLA_TILES[-1]
         return (_mla(t, kv, mt), ALL_ROWS if max_q <= 1 else 1, -(-num_heads // (16 * mt)), 128 * mt,
-                mla_smem_bytes(cache_itemsize, mt, 2 if q_dtype == np.float16 else 3))
+                mla_smem_bytes(cache_itemsize, mt))
     c = kernel_constants()
     short = min(max_q, c["PD_MAX_Q"])
     rows = DECODE_ROWS[0] if short * group <= DECODE_ROWS[0] else DECODE_ROWS[1]

@@ -759,21 +759,21 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
 //   scores S = Q K^T: warp w takes m tile w / 4 over the k16 steps of quarter w % 4 (q in registers, 36 per
 //     lane), K fragments by ldmatrix; the four partial sums go through shared memory;
 //   softmax: warp w owns rows 4w..4w+3 (8 lanes a row): the partials summed in a fixed order, scale, softcap,
-//     ALiBi, the online (m, l) step, P = e^{s - m} split into hi + lo 16-bit parts (P V at fp32-P accuracy);
-//   P V: warp w takes MW m tiles and a slice of the 512 columns (64 fp32 accumulators a lane), V fragments
-//     by ldmatrix.trans, two mmas (hi, lo) per fragment pair.
+//     ALiBi, the online (m, l) step, P = e^{s - m} in float32;
+//   P V: warp w takes MW m tiles and a slice of the 512 columns (64 fp32 accumulators a lane); its P fragments
+//     are split in registers into 16-bit parts whose sum keeps P to ~22 bits (fp16: hi + lo, bf16: three
+//     parts; two bf16 parts gave up to 8.5 ulps on cancelling outputs), one mma per part, V fragments by
+//     ldmatrix.trans: P V at the fp32-P accuracy of the decode accuracy rule.
+// The score partials and P are [rows][32] float32 rows with their 8-float groups XOR-swizzled by row % 4
+// (md_at), so the mma fragments' float2 stores and loads and the softmax's float4 rows are conflict-free.
 // Every (head, key) pair a CTA sees is visible (one query position): the tile's rows past the split's last
 // key are zero-filled, never loaded, so a masked weight never meets a loaded value.
-constexpr int MD_HD = 576;       // the latent row's capacity (attention.py MLA_BUCKET; values: its first 512)
-constexpr int MD_SSTRIDE = 36;   // padded rows of the score partials (floats): conflict-free reads
-constexpr int MD_PSTRIDE = 40;   // and of P's parts (16-bit elements): conflict-free ldmatrix
+constexpr int MD_HD = 576;  // the latent row's capacity (attention.py MLA_BUCKET; values: its first 512)
 
-// P = hi + mid (+ lo): 16-bit parts whose sum keeps P to ~22 bits (fp16: two parts of 11 bits; bf16: three of 8),
-// the decode accuracy rule's fp32-P accuracy (two bf16 parts gave up to 8.5 ulps on cancelling outputs).
-template <class T>
-struct MdParts { static constexpr int N = TcHalf<T>::value ? 2 : 3; };
+// Element (row, col) of a swizzled [rows][32] float32 array.
+__device__ __forceinline__ int md_at(int row, int col) { return row * PD_TILE + (col ^ (row & 3) << 3); }
 
-template <class CacheT, class T, int MT>
+template <class CacheT, int MT>
 struct MdSmem {
   static constexpr int ROWS = 16 * MT;
   static constexpr int ROW = MD_HD * int(sizeof(CacheT)) + 16;  // a stage's row, bytes (+16: conflict-free)
@@ -781,9 +781,9 @@ struct MdSmem {
   static constexpr int STAGE = PD_TILE * ROW;
   static constexpr int STAGES = MT == 1 ? 2 : 3;                // MT 1: 2 CTAs an SM; MT 4: fits sm_80
   static constexpr int CONV = STAGES * STAGE;                   // fp8: the converted tile
-  static constexpr int SPART = CONV + (sizeof(CacheT) == 1 ? PD_TILE * TROW : 0);  // [4][ROWS][40] floats
-  static constexpr int P = SPART + 4 * ROWS * MD_SSTRIDE * 4;    // [MdParts][ROWS][40] T, P's parts
-  static constexpr int ALPHA = P + MdParts<T>::N * ROWS * MD_PSTRIDE * 2;  // [ROWS] this tile's rescale factors
+  static constexpr int SPART = CONV + (sizeof(CacheT) == 1 ? PD_TILE * TROW : 0);  // [4][ROWS][32] floats
+  static constexpr int P = SPART + 4 * ROWS * PD_TILE * 4;       // [ROWS][32] floats
+  static constexpr int ALPHA = P + ROWS * PD_TILE * 4;           // [ROWS] this tile's rescale factors
   static constexpr int STATE = ALPHA + ROWS * 4;                 // [3][ROWS] each row's m, l and ALiBi slope
   static constexpr int BYTES = STATE + 3 * ROWS * 4;
 };
@@ -831,8 +831,7 @@ __device__ __forceinline__ void md_convert(unsigned char* dst, const unsigned ch
 template <class T, int ROWS, int TROW>
 __device__ __forceinline__ void md_scores(float* spart, const unsigned char* kt, const unsigned (&qa)[9][4], int warp,
                                           int lane) {
-  const int kq = warp & 3, i = lane >> 3;
-  float* dst = spart + (kq * ROWS + (warp >> 2) * 16 + (lane >> 2)) * MD_SSTRIDE + 2 * (lane & 3);
+  const int kq = warp & 3, i = lane >> 3, row = kq * ROWS + (warp >> 2) * 16 + (lane >> 2), col = 2 * (lane & 3);
 #pragma unroll 1
   for (int np = 0; np < 2; ++np) {  // keys 16 np .. 16 np + 15: b0, b1 of two n tiles
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -845,24 +844,23 @@ __device__ __forceinline__ void md_scores(float* spart, const unsigned char* kt,
     }
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
-      *reinterpret_cast<float2*>(dst + 16 * np + 8 * n) = make_float2(s[n][0], s[n][1]);
-      *reinterpret_cast<float2*>(dst + 8 * MD_SSTRIDE + 16 * np + 8 * n) = make_float2(s[n][2], s[n][3]);
+      *reinterpret_cast<float2*>(spart + md_at(row, col + 16 * np + 8 * n)) = make_float2(s[n][0], s[n][1]);
+      *reinterpret_cast<float2*>(spart + md_at(row + 8, col + 16 * np + 8 * n)) = make_float2(s[n][2], s[n][3]);
     }
   }
 }
 
 // Row r = 4 warp + lane / 8, keys 4 (lane % 8) .. + 3 of a tile with n keys from `base`: the online-softmax
-// step of the row's (m, l, slope) in `state` (shared memory: registers are q's and o's), P's parts and the
-// row's rescale factor.
-template <class T, int ROWS>
-__device__ __forceinline__ void md_softmax(unsigned char* smem_spart, T* ps, float* alpha_s, float* state,
-                                           int r, int j0, int n, int base, int pos, float qscale, float softcap) {
+// step of the row's (m, l, slope) in `state` (shared memory: registers are q's and o's), P and the row's
+// rescale factor.
+template <int ROWS>
+__device__ __forceinline__ void md_softmax(const float* spart, float* ps, float* alpha_s, float* state, int r, int j0,
+                                           int n, int base, int pos, float qscale, float softcap) {
   const float m = state[r], l = state[ROWS + r], slope = state[2 * ROWS + r];
-  const float* sp = reinterpret_cast<const float*>(smem_spart) + r * MD_SSTRIDE + j0;
-  float4 acc = *reinterpret_cast<const float4*>(sp);
+  float4 acc = *reinterpret_cast<const float4*>(spart + md_at(r, j0));
 #pragma unroll
-  for (int kq = 1; kq < 4; ++kq) {
-    const float4 x = *reinterpret_cast<const float4*>(sp + kq * ROWS * MD_SSTRIDE);
+  for (int kq = 1; kq < 4; ++kq) {  // row kq ROWS + r has r's swizzle: ROWS is a multiple of 4
+    const float4 x = *reinterpret_cast<const float4*>(spart + md_at(kq * ROWS + r, j0));
     acc = make_float4(acc.x + x.x, acc.y + x.y, acc.z + x.z, acc.w + x.w);
   }
   float x[4] = {acc.x, acc.y, acc.z, acc.w}, mx = neg_inf();
@@ -879,16 +877,10 @@ __device__ __forceinline__ void md_softmax(unsigned char* smem_spart, T* ps, flo
   const float m_new = fmaxf(m, mx);
   const float alpha = m == neg_inf() ? 0.0f : expf(m - m_new);
   float sum = 0.0f;
-  Vec<T, 4> part[MdParts<T>::N];
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    float w = x[e] == neg_inf() ? 0.0f : expf(x[e] - m_new);  // masking by selection
-    sum += w;
-#pragma unroll
-    for (int k = 0; k < MdParts<T>::N; ++k) {  // each part the rounded remainder of the ones before
-      part[k].v[e] = from_float<T>(w);
-      w -= to_float(part[k].v[e]);
-    }
+    x[e] = x[e] == neg_inf() ? 0.0f : expf(x[e] - m_new);  // masking by selection
+    sum += x[e];
   }
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -897,31 +889,44 @@ __device__ __forceinline__ void md_softmax(unsigned char* smem_spart, T* ps, flo
     state[r] = m_new;
     state[ROWS + r] = l * alpha + sum;
   }
-#pragma unroll
-  for (int k = 0; k < MdParts<T>::N; ++k) store_vec<T, 4>(ps + (k * ROWS + r) * MD_PSTRIDE + j0, part[k]);
+  *reinterpret_cast<float4*>(ps + md_at(r, j0)) = make_float4(x[0], x[1], x[2], x[3]);
+}
+
+// The fragment register of P elements a, b (float32) as 16-bit part `k`: a and b less the parts before it.
+template <class T>
+__device__ __forceinline__ unsigned md_part(float2& x) {
+  const T a = from_float<T>(x.x), b = from_float<T>(x.y);
+  x = make_float2(x.x - to_float(a), x.y - to_float(b));
+  return tc_pack<T>(a, b);
 }
 
 // o = o * alpha + P V for warp w's MW m tiles (rows row0 ..) and NC n8 tiles of columns c0 .., over k8 steps
 // of keys (m16n8k8: half the fragment registers of k16, so q, o and the fragments fit 128 registers); one mma
 // per part of P, the smallest first.
-template <class T, int MW, int NC, int ROWS, int TROW>
-__device__ __forceinline__ void md_values(float (&o)[MW][NC][4], const unsigned char* kt, const T* ps,
+template <class T, int MW, int NC, int TROW>
+__device__ __forceinline__ void md_values(float (&o)[MW][NC][4], const unsigned char* kt, const float* ps,
                                           const float* alpha_s, int row0, int c0, int lane) {
-  constexpr int PARTS = MdParts<T>::N;
+  constexpr int PARTS = TcHalf<T>::value ? 2 : 3;
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi) {
     const float a0 = alpha_s[row0 + 16 * mi + (lane >> 2)], a1 = alpha_s[row0 + 16 * mi + (lane >> 2) + 8];
 #pragma unroll
     for (int n = 0; n < NC; ++n) { o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1; }
   }
+  // A fragments: (g, 2t..2t+1) and (g + 8, 2t..2t+1) of keys 8 kk .., rows row0 + 16 mi ..: every row of this
+  // lane has the swizzle of row g (md_at), so one base address and constant offsets.
+  const float* pa = ps + md_at(row0 + (lane >> 2), 2 * (lane & 3)) - 8 * (lane >> 2 & 3);
 #pragma unroll 1
   for (int kk = 0; kk < PD_TILE / 8; ++kk) {  // not unrolled: fragments hoisted across steps would spill
     unsigned pf[MW][PARTS][2];
+    const float* at = pa + 8 * (kk ^ (lane >> 2 & 3));
 #pragma unroll
-    for (int mi = 0; mi < MW; ++mi)  // lanes 0-15 address the 16 rows of keys 8 kk .. + 7
+    for (int mi = 0; mi < MW; ++mi) {
+      float2 x0 = *reinterpret_cast<const float2*>(at + 16 * mi * PD_TILE);
+      float2 x1 = *reinterpret_cast<const float2*>(at + (16 * mi + 8) * PD_TILE);
 #pragma unroll
-      for (int k = 0; k < PARTS; ++k)
-        tc_ldmatrix_x2(pf[mi][k], ps + (k * ROWS + row0 + 16 * mi + (lane & 15)) * MD_PSTRIDE + 8 * kk);
+      for (int k = 0; k < PARTS; ++k) { pf[mi][k][0] = md_part<T>(x0); pf[mi][k][1] = md_part<T>(x1); }
+    }
 #pragma unroll
     for (int nq = 0; nq < NC / 4; ++nq) {  // columns c0 + 32 nq .. + 31: b0 of four n tiles (.trans of [key][col])
       unsigned b[4];
@@ -986,7 +991,7 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
   typedef typename CacheType<KV, T>::type CacheT;
-  typedef MdSmem<CacheT, T, MT> S;
+  typedef MdSmem<CacheT, MT> S;
   constexpr int MW = MT == 1 ? 1 : 2, NC = 16 / MW;  // P V: m tiles and n8 column tiles of a warp
   extern __shared__ __align__(16) unsigned char md_smem[];
   __shared__ int ids[S::STAGES][PD_TILE + 1];  // block ids of the tile in each stage
@@ -1022,7 +1027,7 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
     for (int n = 0; n < NC; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
-  T* ps = reinterpret_cast<T*>(md_smem + S::P);
+  float* ps = reinterpret_cast<float*>(md_smem + S::P);
   float* alpha_s = reinterpret_cast<float*>(md_smem + S::ALPHA);
   const int* table = block_tables + seq * p.table_stride;
   const int ntiles = hi >= lo ? (hi - lo) / PD_TILE + 1 : 0;
@@ -1053,10 +1058,10 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
     md_scores<T, S::ROWS, S::TROW>(reinterpret_cast<float*>(md_smem + S::SPART), kt, qa, warp, lane);
     __syncthreads();  // the four partial sums of every score are in
     const int base = lo + t * PD_TILE;
-    md_softmax<T, S::ROWS>(md_smem + S::SPART, ps, alpha_s, state, r, j0, min(PD_TILE, hi - base + 1), base,
+    md_softmax<S::ROWS>(reinterpret_cast<const float*>(md_smem + S::SPART), ps, alpha_s, state, r, j0, min(PD_TILE, hi - base + 1), base,
                            pos, qscale, p.softcap);
     __syncthreads();  // P and the rescale factors are in
-    md_values<T, MW, NC, S::ROWS, S::TROW>(o, kt, ps, alpha_s, row0, c0, lane);
+    md_values<T, MW, NC, S::TROW>(o, kt, ps, alpha_s, row0, c0, lane);
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   __syncthreads();  // the last tile's (m, l) are in

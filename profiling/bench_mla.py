@@ -1,6 +1,6 @@
-"""Benchmark of MLA decode (kernels_cu/paged_attention.cu, shared-KV mode).
+"""Benchmark of MLA decode (kernels_cu/paged_attention.cu, mla_decode_kernel on tensor cores).
 
-Decode is compute-bound on CUDA cores with 128 heads (~240 FLOP per cache byte): rows report
+Decode is compute-bound with 128 heads (~240 FLOP per cache byte): rows report
 TFLOP/s (2 · heads · (576 + 512) FLOP per key) beside GB/s of the op's declared minimum bytes
 (cupaged/_cost.py: the latent rows once, q, out). GPU: CUDA events, L2 flushed between reps, NVTX
 ranges named by config; model rows a ``--model`` run cached are printed beside. ``--model`` (sim):
@@ -26,7 +26,6 @@ import _model  # noqa: E402
 import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
-from cupaged.attention import choose_split, kernel_constants  # noqa: E402
 
 RANK, ROPE, BLOCK = 512, 64, 64
 DTYPES = {"fp16": (np.float16, "auto"), "bf16": (ml_dtypes.bfloat16, "auto"), "fp8_e4m3": (ml_dtypes.bfloat16, "fp8")}
@@ -68,12 +67,22 @@ def decode(device, s, block=BLOCK, kv_split_size=None):
     return run
 
 
+def production_split(s, block=BLOCK):
+    """The kv_split_size the plan gives the full batch of shape ``s`` (shape-only stand-ins: the plan reads no
+    contents)."""
+    dtype, kv_cache_dtype = DTYPES[s["kv_dtype"]]
+    q = np.empty((s["batch"], s["num_heads"], RANK + ROPE), dtype)
+    cache = np.empty((1, block, RANK + ROPE), np.uint8 if kv_cache_dtype != "auto" else dtype)
+    table = np.empty((s["batch"], -(-s["context"] // block)), np.int32)
+    plan = cupaged.plan_attention(q, cupaged.KvView.mla(cache, RANK, kv_cache_dtype), table,
+                                  np.empty(s["batch"], np.int32), max_seq_len=s["context"])
+    return plan.kv_split_size or s["context"]
+
+
 def project(s, subset):
     """The full batch's plan (its split) on ``subset`` sequences, every CTA profiled: the head tiles of
     one split share their latent rows in L2, so sampling among them would over-count distinct bytes."""
-    tiles = -(-s["num_heads"] // kernel_constants()["PA_ROWS"])
-    split = choose_split(np, s["batch"] * tiles, s["context"]) or s["context"]
-    run = decode("sim", dict(s, batch=subset), kv_split_size=split)
+    run = decode("sim", dict(s, batch=subset), kv_split_size=production_split(s))
     return _model.project(s, run, cost(s), s["batch"] // subset)
 
 
@@ -93,7 +102,7 @@ def main(argv=None):
     if cp is None:
         for s in SIM:
             run = decode("sim", s, block=16)
-            table.append(_bench.summarize(_model.label(s), "v1", _bench.time_cpu(run), cost(s, 16).min_bytes, None))
+            table.append(_bench.summarize(_model.label(s), "v4", _bench.time_cpu(run), cost(s, 16).min_bytes, None))
         _bench.print_table(table, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
         return
     device, peak = _bench.peak_bandwidth_gbps(cp)
@@ -103,7 +112,7 @@ def main(argv=None):
             ms = _bench.time_gpu(cp, run)
         r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device)
         rows.append(r)
-        table.append(_bench.summarize(_model.label(s), "v1", ms, c.min_bytes, peak) + (f"{r['tflops']:.1f}",))
+        table.append(_bench.summarize(_model.label(s), "v4", ms, c.min_bytes, peak) + (f"{r['tflops']:.1f}",))
     _bench.print_table(table, f"{device} (peak {peak or '?'} GB/s)", extra=("TFLOP/s",))
     _model.finish_measured("mla", rows, args.json, device=device)
 
