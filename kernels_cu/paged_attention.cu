@@ -36,14 +36,18 @@
 //   query heads, 16 per CTA) the CTAs reading the same cache bytes run together and share them in L2.
 //   paged_decode_kernel<T, KV, HD, ROWS>: sequences whose query run is short (decode, speculative decoding;
 //      p.decode_max_q) over flash NHD / HND caches or dense rows that are contiguous and 16-byte aligned; the
-//      plan routes each sequence by its q_len, and the kernel above keeps the longer runs, the vLLM layout and
-//      MLA. One CTA per (kv head, sequence, split, tile of ROWS = 4 or 8 query rows: a GQA group). K/V tiles
+//      plan routes each sequence by its q_len, and the kernel above keeps the longer runs and the vLLM layout. One CTA per (kv head, sequence, split, tile of ROWS = 4 or 8 query rows: a GQA group). K/V tiles
 //      of PD_TILE keys stay in their storage dtype in shared memory, filled by a 2-4 stage cp.async pipeline
 //      (block ids fetched a tile ahead); a lane owns 8 dimensions of a key row (LPR = HD / 8 lanes a row), so
 //      a whole-row vector load from shared memory feeds all ROWS rows, whose q and output accumulators live in
 //      registers; fp8 converts in pairs in registers, its scales folded into q and the output. Each slot of
 //      LPR lanes keeps its own online softmax over the keys it took; slots merge by shuffles, warps through
 //      shared memory, once at the end. Writes the same partials / out / LSE as the kernel above.
+//   mla_decode_kernel<T, KV, MT>: MLA decode (one query per sequence, 16-bit q, a paged latent cache with 16-byte
+//      aligned rows; float32 and longer runs stay on paged_attention_kernel) on tensor cores: 16 MT query heads
+//      a CTA (MT 1: 16 heads, 128 threads; MT 4: 64 heads, 512 threads), S = Q K^T by mma.sync m16n8k16 (q in
+//      registers, K by ldmatrix), P V by m16n8k8 with P split into 16-bit parts (V by ldmatrix.trans), so P V
+//      keeps fp32-P accuracy; see its section below.
 //
 // Versions (the code below is the last):
 //   v1: partials in out's type, one row tile per CTA, splits from kv_split_size alone, q . k in one sum.
@@ -55,7 +59,12 @@
 //       115.0 us (0.51x fp16, 97.5%); 64/8 bf16 1635.6 -> 227.8 us (98.4%); 1 x 32768 split 156.0 -> 36.1 us
 //       (77.6%; the merge now reads each split's weight once: 24.6 -> 5.5 us). q kept in its own type: 128
 //       registers for 16-bit ROWS 4, 130-153 for float32, 222-255 for ROWS 8; no spills.
+//   v4: mla_decode_kernel (H200 model, bench_mla.py --model, 64 x 4096, 576/512, bf16): 16 heads 1383.2 ->
+//       71.8 us (4.6% -> 88.3% of HBM peak), 128 heads 11014.8 -> 246.4 us (296 TFLOP/s; mma term 221.5 us with
+//       bf16 P in three parts, shared memory 229.2 us: 3282 wavefronts a 32-key tile at 64 heads, no bank
+//       conflicts); 128 registers, no spills.
 //
+// Uses:      common.cuh, softmax.cuh, tensor_core.cuh (ldmatrix / mma.sync as inline PTX)
 // Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch both kernels, reading
 //            PA_* and PaParams from this file through cupaged/_mirror.py), paged_attention.py,
 //            paged_attention_vllm.py (v1/v2), varlen_attention.py, mla.py (mla_decode, mla_chunked_prefill),
@@ -800,7 +809,8 @@ __device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_
     if (j < tile.n) {
       const int pos = tile.base + j;
       const int b = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
-      src += (long long)ids[b - tile.first_block] * p.k_block_stride + (pos - b * p.block_size) * p.k_page_stride + c * X;
+      src += (long long)ids[b - tile.first_block] * p.k_block_stride + (pos - b * p.block_size) * p.k_page_stride +
+             c * X;
       bytes = min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
     }
     pd_copy16(stage + j * ROW + c * 16, bytes ? src : kv_cache, bytes);
@@ -1038,16 +1048,19 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < S::STAGES - 1; ++u) {  // the pipeline's prologue: STAGES - 1 tiles in flight
-    if (u < ntiles) md_issue<CacheT, S::ROW>(md_smem + u * S::STAGE, key_cache, ids[u], pd_tile(lo, hi, u, p.block_size), p);
+    if (u < ntiles)
+      md_issue<CacheT, S::ROW>(md_smem + u * S::STAGE, key_cache, ids[u], pd_tile(lo, hi, u, p.block_size), p);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
   for (int t = 0; t < ntiles; ++t) {
     const int next = t + S::STAGES - 1;
     const PdTile tile = pd_tile(lo, hi, next, p.block_size);
-    if (next < ntiles && threadIdx.x < tile.blocks) ids[next % S::STAGES][threadIdx.x] = table[tile.first_block + threadIdx.x];
+    if (next < ntiles && threadIdx.x < tile.blocks)
+      ids[next % S::STAGES][threadIdx.x] = table[tile.first_block + threadIdx.x];
     asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
     __syncthreads();  // everyone's landed, the ids above are visible, and tile t - 1 is consumed
-    if (next < ntiles) md_issue<CacheT, S::ROW>(md_smem + next % S::STAGES * S::STAGE, key_cache, ids[next % S::STAGES], tile, p);
+    if (next < ntiles)
+      md_issue<CacheT, S::ROW>(md_smem + next % S::STAGES * S::STAGE, key_cache, ids[next % S::STAGES], tile, p);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     const unsigned char* kt = md_smem + t % S::STAGES * S::STAGE;
     if constexpr (KV != KV_AUTO) {
@@ -1058,8 +1071,8 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
     md_scores<T, S::ROWS, S::TROW>(reinterpret_cast<float*>(md_smem + S::SPART), kt, qa, warp, lane);
     __syncthreads();  // the four partial sums of every score are in
     const int base = lo + t * PD_TILE;
-    md_softmax<S::ROWS>(reinterpret_cast<const float*>(md_smem + S::SPART), ps, alpha_s, state, r, j0, min(PD_TILE, hi - base + 1), base,
-                           pos, qscale, p.softcap);
+    md_softmax<S::ROWS>(reinterpret_cast<const float*>(md_smem + S::SPART), ps, alpha_s, state, r, j0,
+                        min(PD_TILE, hi - base + 1), base, pos, qscale, p.softcap);
     __syncthreads();  // P and the rescale factors are in
     md_values<T, MW, NC, S::TROW>(o, kt, ps, alpha_s, row0, c0, lane);
   }

@@ -90,19 +90,26 @@ def test_varlen_max_seqlen_k_is_a_grid_hint():
 
 
 def test_a_plan_too_big_for_the_device_is_a_clear_error():
-    """MLA's 576/512 tiles need ~113 KB of shared memory per block: on an sm_86/sm_89 GPU (99 KB) the
-    launch would fail inside the driver; the engine says why first."""
+    """MLA decode with 64 query heads a CTA needs ~150 KB of shared memory per block: on an sm_86/sm_89 GPU
+    (99 KB) the launch would fail inside the driver; the engine says why first. With 16 heads (a CTA of 16)
+    it fits 99 KB (the CUDA-core kernel's 576/512 float32 tiles needed ~113 KB, on every GPU)."""
     from cupaged.attention import check_fits
 
     rng = np.random.default_rng(0)
     cache = rng.standard_normal((4, 16, 576)).astype(F16)
-    q = rng.standard_normal((2, 16, 576)).astype(F16)
     kv = cupaged.KvView.mla(cache, 512)
-    plan = cupaged.plan_attention(q, kv, np.zeros((2, 2), np.int32), np.array([20, 30], np.int32))
-    assert 99 * 1024 < plan.shared_mem <= 163 * 1024
-    check_fits(plan, 163 * 1024, "an A100")  # fits
-    with pytest.raises(NotImplementedError, match=r"needs \d+ bytes of shared memory per block; an RTX 4090 allows"):
-        check_fits(plan, 99 * 1024, "an RTX 4090")
+    for heads, fits_99k in ((64, False), (16, True)):
+        q = rng.standard_normal((2, heads, 576)).astype(F16)
+        plan = cupaged.plan_attention(q, kv, np.zeros((2, 2), np.int32), np.array([20, 30], np.int32))
+        assert [name for name, *_ in plan.main_launches] == [plan.decode_kernel]
+        need = plan.decode_shared_mem
+        assert (need <= 99 * 1024) == fits_99k and need <= 163 * 1024
+        check_fits(plan, 163 * 1024, "an A100")  # fits
+        if fits_99k:
+            check_fits(plan, 99 * 1024, "an RTX 4090")
+        else:
+            with pytest.raises(NotImplementedError, match=r"needs \d+ bytes of shared memory per block; an RTX 4090"):
+                check_fits(plan, 99 * 1024, "an RTX 4090")
 
 
 def test_the_kernel_is_opted_in_for_shared_memory_once(monkeypatch):

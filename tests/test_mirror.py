@@ -1,6 +1,6 @@
 """The Python mirrors of kernel constants and parameter structs (cupaged/_mirror.py) against what the
-compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field, PaSmem's size and the decode
-kernel's PdSmem (every cache element size and head bucket)."""
+compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field, PaSmem's size, the decode
+kernel's PdSmem (every cache element size and head bucket) and the MLA decode kernel's MdSmem."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cupaged import attention, sim
 from cupaged._mirror import constants, struct_dtype
 
 
-def _probe_source() -> tuple[str, list[str], list[tuple]]:
+def _probe_source() -> tuple:
     fields = list(attention.params_dtype().names)
     smem = [(hd, hd, False) for hd in attention.HEAD_BUCKETS] + [(*attention.MLA_BUCKET, True)]
     lines = [f"  out[{1 + i}] = reinterpret_cast<const char*>(&p.{f}) - base;" for i, f in enumerate(fields)]
@@ -23,22 +23,27 @@ def _probe_source() -> tuple[str, list[str], list[tuple]]:
               for hd in attention.HEAD_BUCKETS for rows in attention.DECODE_ROWS]
     lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::PdSmem<{c}, {hd}, {rows}>::BYTES;"
               for i, (c, _, hd, rows) in enumerate(decode)]
+    mla = [(c, size, mt) for c, size in (("unsigned char", 1), ("__half", 2)) for mt in attention.MLA_TILES]
+    at = 1 + len(fields) + len(smem) + len(decode)
+    lines += [f"  out[{at + i}] = cupaged::MdSmem<{c}, {mt}>::BYTES;" for i, (c, _, mt) in enumerate(mla)]
     probe = ('extern "C" __global__ void pa_layout(long long* out) {\n  cupaged::PaParams p;\n'
              '  const char* base = reinterpret_cast<const char*>(&p);\n  out[0] = sizeof(cupaged::PaParams);\n'
              + "\n".join(lines) + "\n}\n")
-    return attention.FAMILY.source + probe, fields, smem, decode
+    return attention.FAMILY.source + probe, fields, smem, decode, mla
 
 
 def test_params_struct_and_shared_memory_match_the_kernel():
-    source, fields, smem, decode = _probe_source()
-    out = sim.zeros(1 + len(fields) + len(smem) + len(decode), np.int64)
+    source, fields, smem, decode, mla = _probe_source()
+    out = sim.zeros(1 + len(fields) + len(smem) + len(decode) + len(mla), np.int64)
     sim.RawModule(code=source, options=("-std=c++17",)).get_function("pa_layout")((1,), (1,), (out,))
     dtype = attention.params_dtype()
     assert out[0] == dtype.itemsize
     assert out[1:1 + len(fields)].tolist() == [dtype.fields[f][1] for f in fields]
     n = 1 + len(fields) + len(smem)
     assert [4 * int(x) for x in out[1 + len(fields):n]] == [attention.smem_bytes(*s) for s in smem]
-    assert out[n:].tolist() == [attention.decode_smem_bytes(size, hd, rows) for _, size, hd, rows in decode]
+    assert out[n:n + len(decode)].tolist() == [attention.decode_smem_bytes(size, hd, rows)
+                                               for _, size, hd, rows in decode]
+    assert out[n + len(decode):].tolist() == [attention.mla_smem_bytes(size, mt) for _, size, mt in mla]
 
 
 def test_probe_compiles_under_nvrtc():
