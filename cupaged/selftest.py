@@ -199,9 +199,10 @@ def _varlen(dtype, causal):
     return case
 
 
-def _mla(dtype, kv_cache_dtype):
+def _mla(dtype, kv_cache_dtype, heads=32):
+    """mla_decode_kernel: 32 heads take a CTA of 64 heads, 16 one of 16."""
     def case(asarray, rng):
-        q, kv = _paged_pool(rng, ((1, 300), (1, 17), (1, 0)), (32, 1), 576, dtype, kv_cache_dtype, layout="mla")
+        q, kv = _paged_pool(rng, ((1, 300), (1, 17), (1, 0)), (heads, 1), 576, dtype, kv_cache_dtype, layout="mla")
         cache, table, seq_lens = kv.key_cache, kv.block_tables, kv.seq_lens
         out = mla_decode(asarray(q), asarray(cache), asarray(table), asarray(seq_lens), scale=0.04,
                          kv_cache_dtype=kv_cache_dtype, k_scale=kv.k_scale, kv_split_size=128)
@@ -232,6 +233,7 @@ CASES = {
     "varlen_attention float16 192/128 causal": _varlen(np.float16, True),
     "varlen_attention bfloat16 192/128 non-causal": _varlen(ml_dtypes.bfloat16, False),
     "mla_decode bfloat16": _mla(ml_dtypes.bfloat16, "auto"),
+    "mla_decode bfloat16 16 heads": _mla(ml_dtypes.bfloat16, "auto", heads=16),
     "mla_decode float16 fp8 split-KV": _mla(np.float16, "fp8"),
 }
 

@@ -466,6 +466,11 @@ __device__ __forceinline__ PdTile pd_tile(int lo, int hi, int u, int block_size)
   return {base, n, first, (base + n - 1) / block_size - first + 1};
 }
 
+// The block-table entry holding key `pos`: a shift when the block size is a power of two, else a division.
+__device__ __forceinline__ int pd_block_of(int pos, const PaParams& p) {
+  return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+}
+
 // Issue the copies of tile `tile` (K and V, every 16-byte chunk of a row) into one stage; `ids`: its block ids
 // (ids[b] = block of table entry first_block + b), nullptr for dense rows.
 template <class CacheT, int HD>
@@ -477,7 +482,7 @@ __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key
     const int is_v = i / (PD_TILE * CHUNKS), j = i / CHUNKS % PD_TILE, c = i % CHUNKS;
     if (j >= tile.n) continue;
     const int pos = tile.base + j;
-    const int b = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+    const int b = pd_block_of(pos, p);
     const long long block = ids ? ids[b - tile.first_block] : 0;
     const long long off = ids ? pos - b * p.block_size : key_row0 + pos;
     const CacheT* src = is_v ? value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
@@ -763,7 +768,7 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
 // ---- MLA decode on tensor cores: one query per sequence (q_len 1) over the latent cache, 16-bit q (the plan
 // routes float32, longer query runs and misaligned caches to paged_attention_kernel). A CTA takes ROWS = 16 MT
 // query heads of one sequence and split; the latent rows (key = the row, value = its first v_head_size
-// entries) arrive in stages of MD_TILE keys through a cp.async pipeline, stay in shared memory in their own
+// entries) arrive in stages of PD_TILE keys through a cp.async pipeline, stay in shared memory in their own
 // type (fp8 is converted to q's type once per tile, exactly) and feed both products:
 //   scores S = Q K^T: warp w takes m tile w / 4 over the k16 steps of quarter w % 4 (q in registers, 36 per
 //     lane), K fragments by ldmatrix; the four partial sums go through shared memory;
@@ -808,7 +813,7 @@ __device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_
     int bytes = 0;
     if (j < tile.n) {
       const int pos = tile.base + j;
-      const int b = p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+      const int b = pd_block_of(pos, p);
       src += (long long)ids[b - tile.first_block] * p.k_block_stride + (pos - b * p.block_size) * p.k_page_stride +
              c * X;
       bytes = min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
