@@ -243,6 +243,19 @@ def _device_sms(device: int) -> int:  # a driver query (CuPy builds every attrib
     return _cupy().cuda.Device(device).attributes["MultiProcessorCount"]
 
 
+NOMINAL_SM_SHARED = 228 * 1024  # H100/H200 (sm_90): shared memory per SM, what the sim sizes occupancy for
+
+
+def sm_shared_bytes(xp) -> int:
+    """The device's shared memory per SM (a nominal H200's on the sim): how many CTAs can be resident."""
+    return NOMINAL_SM_SHARED if xp is np else _device_sm_shared(xp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sm_shared(device: int) -> int:
+    return _cupy().cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"]
+
+
 def device_shared_limit(xp) -> tuple[int, str]:
     """(the current device's opt-in shared memory per block in bytes, its name) for cupy."""
     device = xp.cuda.Device()

@@ -5,7 +5,7 @@ paged_attention_v1/v2, varlen_attention, mla_decode, mla_chunked_prefill) valida
 then plans and runs.
 
 The kernel's constants and its parameter struct are read from the ``.cu`` source (cupaged/_mirror.py),
-the one owner of both.
+the one owner of both; cupaged/_attention_kernels.py names the kernels and their shared memory.
 """
 
 from __future__ import annotations
@@ -16,57 +16,20 @@ import operator
 
 import numpy as np
 
-from cupaged._interop import accepts_foreign_arrays
 from cupaged._annotate import _OFF, declare_launch, op_range
-from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, struct_arg
-from cupaged._cache_args import KV_CODE, KV_KINDS, kv_dtype_name, kv_scale_args
+from cupaged._attention_kernels import (ALL_ROWS, FAMILY, HEAD_BUCKETS, MLA_BUCKET, decode_route, kernel_constants,
+                                       main_kernel, reduce_kernel, resident_ctas, smem_bytes)
+from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, sm_shared_bytes, struct_arg
+from cupaged._cache_args import KV_CODE, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, element_strides
 from cupaged._cost import attention_cost
 from cupaged._kv_view import KvView, kv_key
 from cupaged._plan import AttentionPlan, carve_workspace, workspace_bytes
-from cupaged._mirror import constants, struct_dtype
-from cupaged._runtime import KernelFamily
+from cupaged._interop import accepts_foreign_arrays
+from cupaged._mirror import struct_dtype
 
 __all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "workspace_bytes", "carve_workspace", "FAMILY",
            "HEAD_BUCKETS", "MLA_BUCKET"]
-
-HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
-MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
-_TYPES = ("float", "__half", "__nv_bfloat16")
-DECODE_ROWS = (4, 8)  # the decode kernel's query rows per CTA: a GQA group of up to 4, or up to 8 (registers)
-MLA_TILES = (1, 4)  # the MLA decode kernel's m16 tiles of query heads per CTA: 16 heads (128 threads) or 64 (512)
-
-
-def _main(t, kv, hd, vhd, shared):
-    return f"cupaged::paged_attention_kernel<{t}, {kv}, {hd}, {vhd}, {'true' if shared else 'false'}>"
-
-
-def _reduce(t):
-    return f"cupaged::paged_attention_reduce_kernel<{t}>"
-
-
-def _decode(t, kv, hd, rows):
-    return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}, {rows}>"
-
-
-def _mla(t, kv, mt):
-    return f"cupaged::mla_decode_kernel<{t}, {kv}, {mt}>"
-
-
-FAMILY = KernelFamily("paged_attention", [
-    *(_main(t, kv, hd, hd, False) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
-    *(_main(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
-    *(_reduce(t) for t in _TYPES),
-    *(_decode(t, kv, hd, rows) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS for rows in DECODE_ROWS),
-    *(_mla(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
-])
-ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_constants() -> dict[str, int]:
-    """PA_*, PD_* (the decode kernel's) and MD_* (MLA decode's) as kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q", "MD_HD")
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,64 +52,26 @@ def _packed_params(values: tuple) -> np.ndarray:
     return np.array(values, _params_packer()[0])
 
 
-def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
-    """Dynamic shared memory of the main kernel: PaSmem<HD, VHD, SHARED_KV>::FLOATS floats
-    (tests/test_mirror.py checks it against the kernel's own figure)."""
-    c = kernel_constants()
-    rows, tile = c["PA_ROWS"], c["PA_TILE"]
-    kv = tile * (hd + 1) + (0 if shared else tile * vhd)
-    return 4 * (rows * hd + kv + rows * tile + 3 * rows)
+MIN_SPLIT = 256  # keys: contexts up to this are never split
+SPLIT_STEP = 64  # split sizes are whole tiles of the decode kernels (32 and 64 keys)
 
 
-def decode_smem_bytes(cache_itemsize: int, hd: int, rows: int) -> int:
-    """Dynamic shared memory of the decode kernel: PdSmem<CacheT, HD, ROWS>::BYTES (its pipeline stages,
-    or the warps' merge area when larger)."""
-    stage = 2 * kernel_constants()["PD_TILE"] * hd * cache_itemsize
-    stages = 4 if 4 * stage <= 65536 else 3 if 3 * stage <= 98304 else 2
-    return max(stages * stage, 4 * rows * (hd + 2) * 4)
-
-
-def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
-    """Dynamic shared memory of the MLA decode kernel: MdSmem<CacheT, MT>::BYTES (its stages of padded latent
-    rows, fp8's converted tile, the score partials, P and the rows' state)."""
-    c = kernel_constants()
-    tile, width, rows = c["PD_TILE"], c["MD_HD"], 16 * mt
-    stages = 2 if mt == 1 else 3
-    converted = tile * (2 * width + 16) if cache_itemsize == 1 else 0
-    return stages * tile * (width * cache_itemsize + 16) + converted + 5 * rows * tile * 4 + 4 * rows * 4
-
-
-def _decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable):
-    """(kernel, decode_max_q, tiles, threads, shared bytes) of the decode kernel the plan routes short query runs
-    to, or None: paged_decode_kernel (flash / dense rows, q_len <= PD_MAX_Q), mla_decode_kernel (16-bit q over a
-    paged latent cache, q_len 1), or none of them (every row stays on paged_attention_kernel)."""
-    if not decodable:
-        return None
-    if kind == "mla":
-        if q_dtype.itemsize != 2 or dense:
-            return None
-        mt = MLA_TILES[0] if num_heads <= 16 * MLA_TILES[0] else MLA_TILES[-1]
-        return (_mla(t, kv, mt), ALL_ROWS if max_q <= 1 else 1, -(-num_heads // (16 * mt)), 128 * mt,
-                mla_smem_bytes(cache_itemsize, mt))
-    c = kernel_constants()
-    short = min(max_q, c["PD_MAX_Q"])
-    rows = DECODE_ROWS[0] if short * group <= DECODE_ROWS[0] else DECODE_ROWS[1]
-    return (_decode(t, kv, hd, rows), ALL_ROWS if max_q <= c["PD_MAX_Q"] else c["PD_MAX_Q"], -(-short * group // rows),
-            c["PD_THREADS"], decode_smem_bytes(cache_itemsize, hd, rows))
-
-
-def choose_split(xp, ctas: int, max_kv: int) -> int:
-    """kv_split_size=None: split long contexts until ~2 CTAs per SM have work (0 = no split).
+def choose_split(xp, ctas: int, max_kv: int, per_sm: int = 2) -> int:
+    """kv_split_size=None for a grid of ``ctas`` CTAs of which ``per_sm`` fit on an SM (0 = no split).
     Chosen from the batch's shape, so only a fixed kv_split_size is batch-invariant."""
-    return _split_for(sm_count(xp), ctas, max_kv)
+    return split_for(sm_count(xp), per_sm, ctas, max_kv)
 
 
-def _split_for(sms: int, ctas: int, max_kv: int) -> int:
-    target = 2 * sms
-    if ctas >= target or max_kv <= 256:
+def split_for(sms: int, per_sm: int, ctas: int, max_kv: int) -> int:
+    """A grid that fills a wave (SMs x resident CTAs) keeps every SM busy and is not split (a split adds the
+    merge's traffic and launch); a smaller one splits contexts longer than MIN_SPLIT into >= 2 full waves."""
+    wave = sms * max(per_sm, 1)
+    if ctas >= wave or max_kv <= MIN_SPLIT:
         return 0
-    splits = math.ceil(target / max(ctas, 1))
-    size = max(256, -(-math.ceil(max_kv / splits) // 256) * 256)
+    splits = math.ceil(2 * wave / max(ctas, 1))
+    size = max(MIN_SPLIT, -(-math.ceil(max_kv / splits) // SPLIT_STEP) * SPLIT_STEP)
+    if size > MIN_SPLIT and math.ceil(max_kv / size) * ctas < 2 * wave:  # rounding up lost a split
+        size -= SPLIT_STEP
     return 0 if size >= max_kv else size
 
 
@@ -160,12 +85,12 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
     return _plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
                  kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
                  query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
-                 sm_count(module_of(q)), kv.decodable)
+                 (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decodable)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, block_size, table_width, index_len,
-          decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, sms,
+          decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, device,
           decodable) -> AttentionPlan:
     num_tokens, num_heads, head_size = q_shape
     dense = table_width is None
@@ -179,12 +104,16 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
     # Sequences whose query run is short take a decode kernel; with a hint saying every run is short it
     # takes them all (an understated hint stays correct), else the longer ones take paged_attention_kernel.
-    route = _decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable)
+    route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable)
     decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
-    ctas = num_seqs * num_kv_heads * (decode_tiles if decode_max_q == ALL_ROWS else tiles)
-    split = _split_for(sms, ctas, max_kv) if kv_split_size is None else kv_split_size
+    sms, sm_shared = device
+    if decode_max_q == ALL_ROWS:  # the decode kernel alone: its occupancy (<= 128 registers, its shared memory)
+        ctas, per_sm = num_seqs * num_kv_heads * decode_tiles, resident_ctas(decode_threads, decode_smem, sm_shared)
+    else:  # paged_attention_kernel takes the long runs: ~2 CTAs an SM
+        ctas, per_sm = num_seqs * num_kv_heads * tiles, 2
+    split = split_for(sms, per_sm, ctas, max_kv) if kv_split_size is None else kv_split_size
     if max_splits is None:
         max_splits = max(1, -(-max_kv // split)) if split else 1
     split = split if max_splits > 1 else 0
@@ -194,8 +123,8 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
         kv=kv_key(kind, kv_cache_dtype, block_size), tiles=tiles, kv_split_size=split, max_splits=max_splits,
         always_partials=always_partials, grid=(tiles * max_splits, num_kv_heads, num_seqs),
         threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
-        kernel=None if decode_max_q == ALL_ROWS else _main(t, kv, hd, vhd, shared),
-        reduce_kernel=_reduce(t) if max_splits > 1 and split > 0 else None,
+        kernel=None if decode_max_q == ALL_ROWS else main_kernel(t, kv, hd, vhd, shared),
+        reduce_kernel=reduce_kernel(t) if max_splits > 1 and split > 0 else None,
         decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
         decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),
         decode_tiles=decode_tiles, decode_max_q=decode_max_q)

@@ -429,23 +429,25 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
 }
 
 
-// ---- The decode kernel: sequences whose query run is short (q_len <= PD_MAX_Q), flash / dense layouts with
+// ---- The decode kernels: sequences whose query run is short (q_len <= PD_MAX_Q), flash / dense layouts with
 // 16-byte-aligned rows (the plan routes the rest to paged_attention_kernel). K/V stay in their storage dtype
-// in shared memory, filled by a 2-4 stage cp.async pipeline of PD_TILE keys whose block ids are fetched a
-// stage ahead; a lane owns 8 dimensions of a key row, so the LPR = HD / 8 lanes of a slot read one row with
-// conflict-free vector loads and that row serves all ROWS query rows of the CTA (a GQA group: 4 or 8),
-// whose q and output accumulators live in registers. Every slot keeps its own online softmax over the keys
-// it consumed; the slots of a warp and then the warps merge once at the end.
-constexpr int PD_THREADS = 128;  // 4 warps; a warp consumes its own PD_TILE / 4 keys of every stage
-constexpr int PD_TILE = 32;      // keys per pipeline stage
-constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernel takes
+// in shared memory, filled by a 2-4 stage cp.async pipeline whose block ids are fetched a stage ahead
+// (pd_pipeline). paged_decode_kernel takes up to PD_ROWS = 4 query rows a CTA on CUDA cores: a lane owns 8
+// dimensions of a key row, so the LPR = HD / 8 lanes of a slot read one row with conflict-free vector loads
+// and that row serves all the CTA's rows, whose q and output accumulators live in registers; every slot keeps
+// its own online softmax over the keys it consumed, the slots of a warp and then the warps merge once at the
+// end. paged_decode_mma_kernel takes 8 rows a CTA on tensor cores, for GQA groups over 4 (its section below).
+constexpr int PD_THREADS = 128;  // 4 warps; a warp consumes its own slice of the keys of every stage
+constexpr int PD_TILE = 32;      // keys per pipeline stage of paged_decode_kernel
+constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernels take
+constexpr int PD_ROWS = 4;       // query rows per paged_decode_kernel CTA (8 would need ~230 registers)
 
-template <class CacheT, int HD, int ROWS>
+template <class CacheT, int HD>
 struct PdSmem {
-  static_assert(ROWS <= HD / 8, "the score reduction hands rows to lanes: ROWS <= LPR");
-  static constexpr int STAGE = 2 * PD_TILE * HD * int(sizeof(CacheT));  // K tile then V tile, bytes
+  static constexpr int TILE = PD_TILE, PITCH = HD * int(sizeof(CacheT));   // a stage's keys; its rows' bytes
+  static constexpr int STAGE = 2 * TILE * PITCH;                          // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
-  static constexpr int MERGE = 4 * ROWS * (HD + 2) * 4;                 // per warp: m, l, o of each row
+  static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;                // per warp: m, l, o of each row
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
 };
 
@@ -460,8 +462,9 @@ struct PdTile {
   int base, n, first_block, blocks;
 };
 
+template <int TILE>
 __device__ __forceinline__ PdTile pd_tile(int lo, int hi, int u, int block_size) {
-  const int base = lo + u * PD_TILE, n = min(PD_TILE, hi - base + 1);
+  const int base = lo + u * TILE, n = min(TILE, hi - base + 1);
   const int first = base / block_size;
   return {base, n, first, (base + n - 1) / block_size - first + 1};
 }
@@ -471,17 +474,18 @@ __device__ __forceinline__ int pd_block_of(int pos, const PaParams& p) {
   return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
 }
 
-// Issue the copies of tile `tile` (K and V, every 16-byte chunk of a row) into one stage; `ids`: its block ids
-// (ids[b] = block of table entry first_block + b), nullptr for dense rows.
-template <class CacheT, int HD>
+// Issue the copies of tile `tile` (K and V, every 16-byte chunk of a row) into one stage of TILE K rows then TILE
+// V rows, PITCH bytes apart; `ids`: its block ids (ids[b] = block of table entry first_block + b), nullptr for
+// dense rows. Rows past the tile's keys are left as they are (the consumers never read them or zero-fill).
+template <class CacheT, int HD, int TILE, int PITCH>
 __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
                                          const int* ids, PdTile tile, long long key_row0, int kv_head,
                                          const PaParams& p) {
   constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = HD / X;
-  for (int i = threadIdx.x; i < 2 * PD_TILE * CHUNKS; i += PD_THREADS) {
-    const int is_v = i / (PD_TILE * CHUNKS), j = i / CHUNKS % PD_TILE, c = i % CHUNKS;
-    if (j >= tile.n) continue;
-    const int pos = tile.base + j;
+  for (int i = threadIdx.x; i < 2 * TILE * CHUNKS; i += PD_THREADS) {
+    const int is_v = i / (TILE * CHUNKS), j = i / CHUNKS % TILE, c = i % CHUNKS;
+    const bool real = j < tile.n;  // keys past the tile's last are zero-filled: a 0 weight never meets garbage
+    const int pos = tile.base + (real ? j : 0);
     const int b = pd_block_of(pos, p);
     const long long block = ids ? ids[b - tile.first_block] : 0;
     const long long off = ids ? pos - b * p.block_size : key_row0 + pos;
@@ -489,9 +493,64 @@ __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key
                                    off * p.v_page_stride + c * X
                              : key_cache + block * p.k_block_stride + kv_head * p.k_head_stride +
                                    c * p.k_chunk_stride + off * p.k_page_stride;
-    const int bytes = min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
-    pd_copy16(stage + (is_v * PD_TILE + j) * HD * int(sizeof(CacheT)) + c * 16, bytes ? src : key_cache, bytes);
+    const int bytes = real ? min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT)) : 0;
+    pd_copy16(stage + (is_v * TILE + j) * PITCH + c * 16, bytes ? src : key_cache, bytes);
   }
+}
+
+// The cp.async pipeline of a decode CTA over its keys lo..hi: S::STAGES stages of S::TILE keys, STAGES - 1 tiles
+// in flight, each tile's block ids fetched while the tile before it is consumed; issue(stage, ids, tile) starts a
+// tile's copies (ids: its block ids, nullptr for dense rows), consume(stage, first key) runs on every tile once
+// all of its copies have landed. The barriers wait only for copies issued stages ago.
+template <class S, class Issue, class Consume>
+__device__ __forceinline__ void pd_pipeline(unsigned char* smem, int (*ids)[S::TILE + 1], const int* table, int lo,
+                                            int hi, const PaParams& p, Issue&& issue, Consume&& consume) {
+  const int ntiles = hi >= lo ? (hi - lo) / S::TILE + 1 : 0;
+  for (int u = 0; table && u < S::STAGES - 1 && u < ntiles; ++u) {  // the first tiles' block ids
+    const PdTile tile = pd_tile<S::TILE>(lo, hi, u, p.block_size);
+    if (threadIdx.x < tile.blocks) ids[u][threadIdx.x] = table[tile.first_block + threadIdx.x];
+  }
+  __syncthreads();
+#pragma unroll 1  // unrolled, the copy loops' addresses stay live and float32 HD 64 spills under 128 registers
+  for (int u = 0; u < S::STAGES - 1; ++u) {  // the prologue: STAGES - 1 tiles in flight
+    if (u < ntiles) issue(smem + u * S::STAGE, table ? ids[u] : nullptr, pd_tile<S::TILE>(lo, hi, u, p.block_size));
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed
+  const PdTile first_next = pd_tile<S::TILE>(lo, hi, S::STAGES - 1, p.block_size);
+  if (table && S::STAGES - 1 < ntiles && threadIdx.x < first_next.blocks)
+    next_id = table[first_next.first_block + threadIdx.x];
+  for (int t = 0; t < ntiles; ++t) {
+    const int next = t + S::STAGES - 1;
+    const PdTile tile = pd_tile<S::TILE>(lo, hi, next, p.block_size);
+    if (table && next < ntiles && threadIdx.x < tile.blocks) ids[next % S::STAGES][threadIdx.x] = next_id;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
+    __syncthreads();  // everyone's landed (and the ids above are visible); tile t - 1's stage is free again
+    if (next < ntiles) issue(smem + next % S::STAGES * S::STAGE, table ? ids[next % S::STAGES] : nullptr, tile);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    const PdTile after = pd_tile<S::TILE>(lo, hi, next + 1, p.block_size);
+    if (table && next + 1 < ntiles && threadIdx.x < after.blocks) next_id = table[after.first_block + threadIdx.x];
+    consume(smem + t % S::STAGES * S::STAGE, lo + t * S::TILE);
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Query row r of a decode CTA's tile at row0 ((token, head) pairs of the sequence's GQA group, token-major): its
+// keys lo..hi within this split (lo > hi: none, as for rows past nrows).
+__device__ __forceinline__ PaRow pd_row(int r, int row0, int nrows, int group, int kv_head, const PaSeq& sq,
+                                        const float* sinks, const float* alibi_slopes, const PaParams& p) {
+  PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0};
+  if (r < nrows) {
+    const int i = (row0 + r) / group;
+    row.pos = sq.seq_len - sq.q_len + i;
+    row.token = sq.q_start + i;
+    row.head = kv_head * group + (row0 + r) % group;
+    row.lo = max(p.window > 0 ? max(0, row.pos - p.window + 1) : 0, sq.split_lo);
+    row.hi = min(p.causal ? row.pos : sq.seq_len - 1, sq.split_hi);
+    row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
+    row.sink = sinks ? sinks[row.head] : neg_inf();
+  }
+  return row;
 }
 
 // A lane's 8 elements of a shared K/V row, loaded whole (one conflict-free 16-byte load for 16-bit types, 8
@@ -525,41 +584,16 @@ __device__ __forceinline__ float2 pd_pair(const PdRow8<CacheT>& r, int e) {
   }
 }
 
-// The end of a decode CTA's rows: merge the slots of each warp (shuffles), then the warps (shared memory),
-// and write the partials of a split or the finished output and LSE, as paged_attention_kernel does.
+// The end of a decode CTA's row tile, once every warp has written its (m, l, o) of each of the ROWS rows to `smem`
+// as [4][ROWS] maxima, [4][ROWS] sums, [4][ROWS][HD] outputs (o with the V scale): merge the warps and write the
+// partials of a split or the finished output and LSE, as paged_attention_kernel does.
 template <class T, int HD, int ROWS>
-__device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows, float (&m)[ROWS],
-                                          float (&l)[ROWS], float (&o)[ROWS][8], float oscale, int nrows, int split,
-                                          int num_splits, int seq_len, T* out, float* lse, float* max_logits,
-                                          float* exp_sums, void* tmp_output, const PaParams& p) {
-  constexpr int LPR = HD / 8;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int off = LPR; off < 32; off <<= 1)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m[r], off), l2 = __shfl_xor_sync(0xffffffffu, l[r], off);
-      const float mx = fmaxf(m[r], m2);
-      const float a = m[r] == neg_inf() ? 0.0f : expf(m[r] - mx), b = m2 == neg_inf() ? 0.0f : expf(m2 - mx);
-      l[r] = l[r] * a + l2 * b;
-#pragma unroll
-      for (int d = 0; d < 8; ++d) o[r][d] = o[r][d] * a + __shfl_xor_sync(0xffffffffu, o[r][d], off) * b;
-      m[r] = mx;
-    }
-  float* wm = reinterpret_cast<float*>(smem);  // [4][ROWS] maxima, [4][ROWS] sums, [4][ROWS][HD] outputs
-  float* wl = wm + 4 * ROWS;
-  float* wo = wl + 4 * ROWS;
-  __syncthreads();  // every warp is done with the last stage: its bytes become the merge area
-  if (lane < LPR)
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {  // two 16-byte stores per lane: contiguous across lanes, conflict-free
-      float* dst = wo + (warp * ROWS + r) * HD + lane * 8;
-      *reinterpret_cast<float4*>(dst) = make_float4(o[r][0] * oscale, o[r][1] * oscale, o[r][2] * oscale,
-                                                    o[r][3] * oscale);  // with the V scale
-      *reinterpret_cast<float4*>(dst + 4) = make_float4(o[r][4] * oscale, o[r][5] * oscale, o[r][6] * oscale,
-                                                        o[r][7] * oscale);
-      if (lane == 0) { wm[warp * ROWS + r] = m[r]; wl[warp * ROWS + r] = l[r]; }
-    }
+__device__ __forceinline__ void pd_store(const unsigned char* smem, const PaRow* rows, int nrows, int split,
+                                         int num_splits, int seq_len, T* out, float* lse, float* max_logits,
+                                         float* exp_sums, void* tmp_output, const PaParams& p) {
+  const float* wm = reinterpret_cast<const float*>(smem);
+  const float* wl = wm + 4 * ROWS;
+  const float* wo = wl + 4 * ROWS;
   __syncthreads();
   const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
   for (int i = threadIdx.x; i < nrows * HD; i += PD_THREADS) {
@@ -590,15 +624,52 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, const PaRow* rows
   __syncthreads();  // the next row tile rewrites rows and the stages
 }
 
-// One key (row j of the stage) for the slot's lanes: q . k over the slot's lanes, then, for each row that
-// sees the key, the online-softmax step o = o * alpha + w v. Masking by selection: v is never weighted by 0.
-// `all_see`: every row sees the whole tile (the rows' bounds need not be read); `alibi`: slopes are given.
-// q stays in its own type (16-bit pairs take half the registers; exact), scaled after the dot product.
-template <int KV, int LPR, int ROWS, class T, class CacheT>
+// The end of a paged_decode_kernel row tile: merge the slots of each warp (shuffles), hand the warps' states to
+// pd_store through shared memory.
+template <int HD>
+__device__ __forceinline__ void pd_finish(unsigned char* smem, float (&m)[PD_ROWS], float (&l)[PD_ROWS],
+                                          float (&o)[PD_ROWS][8], float oscale) {
+  constexpr int LPR = HD / 8, ROWS = PD_ROWS;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int off = LPR; off < 32; off <<= 1)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[r], off), l2 = __shfl_xor_sync(0xffffffffu, l[r], off);
+      const float mx = fmaxf(m[r], m2);
+      const float a = m[r] == neg_inf() ? 0.0f : expf(m[r] - mx), b = m2 == neg_inf() ? 0.0f : expf(m2 - mx);
+      l[r] = l[r] * a + l2 * b;
+#pragma unroll
+      for (int d = 0; d < 8; ++d) o[r][d] = o[r][d] * a + __shfl_xor_sync(0xffffffffu, o[r][d], off) * b;
+      m[r] = mx;
+    }
+  float* wm = reinterpret_cast<float*>(smem);  // pd_store's layout
+  float* wl = wm + 4 * ROWS;
+  float* wo = wl + 4 * ROWS;
+  __syncthreads();  // every warp is done with the last stage: its bytes become the merge area
+  if (lane < LPR)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {  // two 16-byte stores per lane: contiguous across lanes, conflict-free
+      float* dst = wo + (warp * ROWS + r) * HD + lane * 8;
+      *reinterpret_cast<float4*>(dst) = make_float4(o[r][0] * oscale, o[r][1] * oscale, o[r][2] * oscale,
+                                                    o[r][3] * oscale);  // with the V scale
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(o[r][4] * oscale, o[r][5] * oscale, o[r][6] * oscale,
+                                                        o[r][7] * oscale);
+      if (lane == 0) { wm[warp * ROWS + r] = m[r]; wl[warp * ROWS + r] = l[r]; }
+    }
+}
+
+// One key (row j of the stage) for the slot's lanes: q . k over the slot's lanes (a tree per row, interleaved
+// with its softmax step: fewer live registers), then, for each row that sees the key, the online-softmax step
+// o = o * alpha + w v. Masking by selection: v is never weighted by 0. `all_see`: every row sees the whole tile
+// (the rows' bounds need not be read); `alibi`: slopes are given. q stays in its own type (16-bit pairs take half
+// the registers; exact), scaled after the dot product.
+template <int KV, int LPR, class T, class CacheT>
 __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT* vrow_ptr, int key, const PaRow* rows,
-                                           int nrows, bool all_see, bool alibi, const Vec<T, 8> (&qv)[ROWS],
-                                           float qscale, float (&o)[ROWS][8], float (&m)[ROWS], float (&l)[ROWS],
-                                           float softcap) {
+                                           int nrows, bool all_see, bool alibi, const Vec<T, 8> (&qv)[PD_ROWS],
+                                           float qscale, float (&o)[PD_ROWS][8], float (&m)[PD_ROWS],
+                                           float (&l)[PD_ROWS], float softcap) {
+  constexpr int ROWS = PD_ROWS;
   const PdRow8<CacheT> krow = pd_load8(krow_ptr);
   float s[ROWS], alpha[ROWS], w[ROWS];
 #pragma unroll
@@ -609,33 +680,11 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) s[r] = s[r] + to_float(qv[r].v[e]) * k.x + to_float(qv[r].v[e + 1]) * k.y;
   }
-  // The slot's LPR lanes each hold a part of every row's dot product. With 8 rows, each halving step hands
-  // half of the rows to the partner lane (ROWS - 1 shuffles in all), a plain tree finishes, lane i of the slot
-  // then holds row i / (LPR / ROWS)'s total and every lane fetches each row's: 2 ROWS - 1 + log2(LPR / ROWS)
-  // shuffles, not ROWS log2(LPR). With 4 rows a tree per row keeps the kernel within 128 registers.
-  if constexpr (ROWS == 8) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int h = ROWS / 2, off = LPR / 2; h >= 1; h /= 2, off /= 2) {
-      const bool upper = lane & off;
-#pragma unroll
-      for (int i = 0; i < h; ++i) {
-        const float give = upper ? s[i] : s[i + h];
-        s[i] = (upper ? s[i + h] : s[i]) + __shfl_xor_sync(0xffffffffu, give, off);
-      }
-    }
-#pragma unroll
-    for (int off = LPR / ROWS / 2; off > 0; off >>= 1) s[0] += __shfl_xor_sync(0xffffffffu, s[0], off);
-    const float mine = s[0];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) s[r] = __shfl_sync(0xffffffffu, mine, (lane & ~(LPR - 1)) + r * (LPR / ROWS));
-  }
   int seen = 0;  // rows that see this key
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    if constexpr (ROWS != 8)  // a tree per row, interleaved with its softmax step (fewer live registers)
 #pragma unroll
-      for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
+    for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
     alpha[r] = 1.0f;
     w[r] = 0.0f;
     if (r >= nrows || (!all_see && (key < rows[r].lo || key > rows[r].hi))) continue;
@@ -662,8 +711,8 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
   }
 }
 
-template <class T, int KV, int HD, int ROWS>
-__global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 2) paged_decode_kernel(
+template <class T, int KV, int HD>
+__global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
@@ -675,13 +724,12 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
   typedef typename CacheType<KV, T>::type CacheT;
-  typedef PdSmem<CacheT, HD, ROWS> S;
-  constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROW = HD * int(sizeof(CacheT));
+  typedef PdSmem<CacheT, HD> S;
+  constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROWS = PD_ROWS;
   extern __shared__ __align__(16) unsigned char pd_smem[];
   __shared__ PaRow rows[ROWS];
-  __shared__ int ids[S::STAGES][PD_TILE + 1];  // block ids of the tile in each stage
+  __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
-  const bool dense = block_tables == nullptr;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
   const int group = p.num_heads / p.num_kv_heads;
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_attention_kernel's
@@ -689,7 +737,7 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
   const float qscale =
       p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
   const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
-  const int* table = dense ? nullptr : block_tables + seq * p.table_stride;
+  const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {
     const int nrows = min(ROWS, sq.q_len * group - row0);
     Vec<T, 8> qv[ROWS];
@@ -698,20 +746,9 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
     int lo_all = 0, hi_all = 0x7fffffff;      // their intersection: keys every row sees
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0};
-      if (r < nrows) {
-        const int i = (row0 + r) / group;
-        row.pos = sq.seq_len - sq.q_len + i;
-        row.token = sq.q_start + i;
-        row.head = kv_head * group + (row0 + r) % group;
-        row.lo = max(p.window > 0 ? max(0, row.pos - p.window + 1) : 0, sq.split_lo);
-        row.hi = min(p.causal ? row.pos : sq.seq_len - 1, sq.split_hi);
-        row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
-        row.sink = sinks ? sinks[row.head] : neg_inf();
-        if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
-        lo_all = max(lo_all, row.lo);
-        hi_all = min(hi_all, row.hi);
-      }
+      const PaRow row = pd_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+      if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
+      if (r < nrows) { lo_all = max(lo_all, row.lo); hi_all = min(hi_all, row.hi); }
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         qv[r].v[e] = r < nrows && d0 + e < p.head_size
@@ -722,46 +759,247 @@ __global__ void __launch_bounds__(PD_THREADS, ROWS == 4 && sizeof(T) == 2 ? 4 : 
       l[r] = 0.0f;
       if (threadIdx.x == 0) rows[r] = row;
     }
-    const int ntiles = hi >= lo ? (hi - lo) / PD_TILE + 1 : 0;
-    for (int u = 0; table && u < S::STAGES - 1 && u < ntiles; ++u) {  // the first tiles' block ids
-      const PdTile tile = pd_tile(lo, hi, u, p.block_size);
-      if (threadIdx.x < tile.blocks) ids[u][threadIdx.x] = table[tile.first_block + threadIdx.x];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int u = 0; u < S::STAGES - 1; ++u) {  // the pipeline's prologue: STAGES - 1 tiles in flight
-      if (u < ntiles)
-        pd_issue<CacheT, HD>(pd_smem + u * S::STAGE, key_cache, value_cache, table ? ids[u] : nullptr,
-                             pd_tile(lo, hi, u, p.block_size), sq.key_row0, kv_head, p);
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
-    }
-    int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed
-    const PdTile first_next = pd_tile(lo, hi, S::STAGES - 1, p.block_size);
-    if (table && S::STAGES - 1 < ntiles && threadIdx.x < first_next.blocks)
-      next_id = table[first_next.first_block + threadIdx.x];
-    for (int t = 0; t < ntiles; ++t) {
-      const int next = t + S::STAGES - 1;
-      const PdTile tile = pd_tile(lo, hi, next, p.block_size);
-      if (table && next < ntiles && threadIdx.x < tile.blocks) ids[next % S::STAGES][threadIdx.x] = next_id;
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
-      __syncthreads();  // everyone's landed (and the ids above are visible); tile t - 1's stage is free again
-      if (next < ntiles)
-        pd_issue<CacheT, HD>(pd_smem + next % S::STAGES * S::STAGE, key_cache, value_cache,
-                             table ? ids[next % S::STAGES] : nullptr, tile, sq.key_row0, kv_head, p);
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
-      const PdTile after = pd_tile(lo, hi, next + 1, p.block_size);
-      if (table && next + 1 < ntiles && threadIdx.x < after.blocks) next_id = table[after.first_block + threadIdx.x];
-      const unsigned char* stage = pd_smem + t % S::STAGES * S::STAGE;
-      const int base = lo + t * PD_TILE;
+    pd_pipeline<S>(pd_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
+      pd_issue<CacheT, HD, S::TILE, S::PITCH>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    }, [&](const unsigned char* stage, int base) {
       const bool all_see = base >= lo_all && base + PD_TILE - 1 <= hi_all;
       for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS)
-        pd_consume<KV, LPR, ROWS>(reinterpret_cast<const CacheT*>(stage + j * ROW) + d0,
-                                  reinterpret_cast<const CacheT*>(stage + (PD_TILE + j) * ROW) + d0, base + j, rows,
-                                  nrows, all_see, alibi_slopes != nullptr, qv, qscale, o, m, l, p.softcap);
+        pd_consume<KV, LPR>(reinterpret_cast<const CacheT*>(stage + j * S::PITCH) + d0,
+                            reinterpret_cast<const CacheT*>(stage + (PD_TILE + j) * S::PITCH) + d0, base + j, rows,
+                            nrows, all_see, alibi_slopes != nullptr, qv, qscale, o, m, l, p.softcap);
+    });
+    pd_finish<HD>(pd_smem, m, l, o, oscale);
+    pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,
+                          tmp_output, p);
+  }
+}
+
+// ---- The tensor-core decode kernel: 8 query rows a CTA, for GQA groups over 4, 16-bit q, head sizes up to 128
+// (the plan sends float32, 256 and groups of <= 4 to paged_decode_kernel: a choice from the model's shape, never
+// the batch's, so a sequence takes the same kernel in every batch). The GEMMs
+// are transposed so the 8 rows are the n8 side of mma.sync m16n8k16 and 16 keys its m side: warp w takes keys
+// 16 w .. 16 w + 15 of every 64-key stage, with its own online softmax, and
+//   S^T = K Q^T: A = K rows by ldmatrix (fp8: the byte pairs converted in registers, with q's dimensions permuted
+//     to match), B = q, in registers for the whole tile (HD / 8 a lane);
+//   O^T += V^T P^T: A = V by ldmatrix.trans (fp8: codes of two keys regrouped by a byte permute), B = P^T, which
+//     a lane gets from the S^T fragments through a per-warp shared array (a transposition), split in registers
+//     into 16-bit parts (fp16: 2, bf16: 3) so P V keeps fp32-P accuracy; O^T is HD / 4 fp32 a lane.
+// A lane's S^T and O^T fragments hold the same two rows (2t, 2t + 1): the softmax needs no shuffle beyond each
+// row's max over the 8 lanes of its keys. Every key a stage holds is visible to some row of the tile or
+// zero-filled past the last, so a row's 0 weight only ever meets real values.
+constexpr int PM_TILE = 64;  // keys per stage: 16 per warp, the m16 side of the mma
+constexpr int PM_ROWS = 8;   // query rows per CTA: the n8 side
+
+template <class CacheT, int HD>
+struct PmSmem {
+  static constexpr int TILE = PM_TILE, PITCH = HD * int(sizeof(CacheT)) + 16;  // +16 bytes: ldmatrix conflict-free
+  static constexpr int STAGE = 2 * TILE * PITCH;
+  static constexpr int STAGES = 3 * STAGE <= 65536 ? 3 : 2;
+  static constexpr int MERGE = 4 * PM_ROWS * (HD + 2) * 4;
+  static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
+};
+
+// The dimension of q (and K) at k index 2t of k16 step `ks` in a lane's B fragment b[h]: 16-bit caches are in
+// order; an fp8 ldmatrix row gives 4 consecutive codes a lane, dims 4t .. 4t + 3, used as k 2t, 2t + 1, 2t + 8, 2t + 9.
+template <int KV>
+__device__ __forceinline__ int pm_qdim(int ks, int t, int h) {
+  return 16 * ks + (KV == KV_AUTO ? 2 * t + 8 * h : 4 * t + 2 * h);
+}
+
+// The dimension of O^T row g (+ 8 h) of m tile mt: fp8's V fragments pair dims 2g, 2g + 1 of one ldmatrix row.
+template <int KV>
+__device__ __forceinline__ int pm_odim(int mt, int g, int h) {
+  return 16 * mt + (KV == KV_AUTO ? g + 8 * h : 2 * g + h);
+}
+
+// S^T (16 keys x 8 rows) of the warp's keys, whose K rows start at kt.
+template <class T, int KV, int HD, int PITCH>
+__device__ __forceinline__ void pm_scores(float (&s)[4], const unsigned char* kt, const unsigned (&qb)[HD / 16][2],
+                                          int lane) {
+  const unsigned char* at = kt + (lane & 15) * PITCH + (lane >> 4) * 16;  // key l % 16, bytes 16 (l / 16) ..
+  if constexpr (KV == KV_AUTO) {
+#pragma unroll
+    for (int ks = 0; ks < HD / 16; ++ks) {
+      unsigned a[4];
+      tc_ldmatrix_x4(a, at + 32 * ks);
+      tc_mma<T>(s, a, qb[ks][0], qb[ks][1]);
     }
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-    pd_finish<T, HD, ROWS>(pd_smem, rows, m, l, o, oscale, nrows, split, sq.splits.count, sq.seq_len, out, lse,
-                           max_logits, exp_sums, tmp_output, p);
+  } else {
+#pragma unroll
+    for (int kp = 0; kp < HD / 32; ++kp) {  // 32 codes a row: two k16 steps
+      unsigned r[4];
+      tc_ldmatrix_x4(r, at + 32 * kp);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned a[4] = {tc_fp8x2<KV, T>(r[2 * h]), tc_fp8x2<KV, T>(r[2 * h + 1]),
+                               tc_fp8x2<KV, T>(r[2 * h] >> 16), tc_fp8x2<KV, T>(r[2 * h + 1] >> 16)};
+        tc_mma<T>(s, a, qb[2 * kp + h][0], qb[2 * kp + h][1]);
+      }
+    }
+  }
+}
+
+// O^T += V^T P^T over the warp's 16 keys (V rows from vt), one mma per part of P, the smallest first.
+template <class T, int KV, int HD, int PITCH, int PARTS>
+__device__ __forceinline__ void pm_values(float (&o)[HD / 16][4], const unsigned char* vt,
+                                          const unsigned (&pf)[PARTS][2], int lane) {
+  if constexpr (KV == KV_AUTO) {  // .trans of key rows (l & 7) + 8 (l >> 4), dims 8 (l >> 3 & 1) ..: a0 .. a3
+    const unsigned char* at = vt + ((lane & 7) + 8 * (lane >> 4)) * PITCH + (lane >> 3 & 1) * 16;
+#pragma unroll
+    for (int mt = 0; mt < HD / 16; ++mt) {
+      unsigned a[4];
+      tc_ldmatrix_x4_trans(a, at + 32 * mt);
+#pragma unroll
+      for (int k = PARTS - 1; k >= 0; --k) tc_mma<T>(o[mt], a, pf[k][0], pf[k][1]);
+    }
+  } else {  // .trans of byte pairs: keys 2t, 2t + 1 of dims 2g, 2g + 1, regrouped into one pair a dimension
+    const unsigned char* at = vt + ((lane & 7) + 8 * (lane >> 3 & 1)) * PITCH + (lane >> 4) * 16;
+#pragma unroll
+    for (int mp = 0; mp < HD / 32; ++mp) {
+      unsigned r[4];
+      tc_ldmatrix_x4_trans(r, at + 32 * mp);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned x = r[2 * h], y = r[2 * h + 1];  // keys 0-7, keys 8-15
+        const unsigned a[4] = {tc_fp8x2<KV, T>((x & 0xffu) | (x >> 8 & 0xff00u)),
+                               tc_fp8x2<KV, T>((x >> 8 & 0xffu) | (x >> 16 & 0xff00u)),
+                               tc_fp8x2<KV, T>((y & 0xffu) | (y >> 8 & 0xff00u)),
+                               tc_fp8x2<KV, T>((y >> 8 & 0xffu) | (y >> 16 & 0xff00u))};
+#pragma unroll
+        for (int k = PARTS - 1; k >= 0; --k) tc_mma<T>(o[2 * mp + h], a, pf[k][0], pf[k][1]);
+      }
+    }
+  }
+}
+
+// The per-warp P^T array: key k's 8 rows at (k + k / 4) * 8, so the fragments' float2 writes (key g, rows 2t ..)
+// and scalar reads (keys 2t .., row g) are both conflict-free.
+__device__ __forceinline__ int pm_at(int key) { return (key + (key >> 2)) * 8; }
+
+// The end of a paged_decode_mma_kernel row tile: each row's sum over the lanes of its keys, then the warp's
+// (m, l, o with the V scale) of its 8 rows into shared memory in pd_store's layout.
+template <int KV, int HD>
+__device__ __forceinline__ void pm_finish(unsigned char* smem, const float (&o)[HD / 16][4], const float (&m)[2],
+                                          float (&l)[2], float oscale) {
+  const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) l[e] += __shfl_xor_sync(0xffffffffu, l[e], off);
+  float* wm = reinterpret_cast<float*>(smem);
+  float* wo = wm + 8 * PM_ROWS;
+  __syncthreads();  // every warp is done with the last stage: its bytes become the merge area
+#pragma unroll
+  for (int mt = 0; mt < HD / 16; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // c0, c1: rows 2t, 2t + 1 of one dimension; c2, c3: of the other
+      wo[(warp * PM_ROWS + 2 * t + (i & 1)) * HD + pm_odim<KV>(mt, g, i >> 1)] = o[mt][i] * oscale;
+  if (g == 0)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      wm[warp * PM_ROWS + 2 * t + e] = m[e];
+      wm[(4 + warp) * PM_ROWS + 2 * t + e] = l[e];
+    }
+}
+
+template <class T, int KV, int HD>
+__global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
+    const T* __restrict__ q,                 // [num_tokens, num_heads, head_size <= 128]
+    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // as paged_decode_kernel's
+    const typename CacheType<KV, T>::type* __restrict__ value_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+    const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
+    void* __restrict__ tmp_output, PaParams p) {
+  typedef typename CacheType<KV, T>::type CacheT;
+  typedef PmSmem<CacheT, HD> S;
+  constexpr int MT = HD / 16, ROWS = PM_ROWS, PARTS = TcHalf<T>::value ? 2 : 3;
+  extern __shared__ __align__(16) unsigned char pd_smem[];
+  __shared__ PaRow rows[ROWS];
+  __shared__ int ids[S::STAGES][S::TILE + 1];
+  __shared__ __align__(8) float pt[4][160];  // each warp's P^T (pm_at)
+  const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const int group = p.num_heads / p.num_kv_heads;
+  if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const float qscale =
+      p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
+  const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
+  for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {
+    const int nrows = min(ROWS, sq.q_len * group - row0);
+    int lo = 0x7fffffff, hi = -1;  // the union of the rows' visible keys: the only ones loaded
+    for (int r = 0; r < ROWS; ++r) {
+      const PaRow row = pd_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+      if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
+      if (threadIdx.x == 0) rows[r] = row;
+    }
+    unsigned qb[MT][2];  // B fragments of Q^T: row g, the dims pm_qdim gives
+    const PaRow mine = pd_row(g, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+    const T* qrow = q + mine.token * p.q_token_stride + mine.head * p.q_head_stride;
+#pragma unroll
+    for (int ks = 0; ks < MT; ++ks)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int d = pm_qdim<KV>(ks, t, h);
+        const bool in = g < nrows;
+        qb[ks][h] = tc_pack<T>(in && d < p.head_size ? qrow[d] : from_float<T>(0.0f),
+                               in && d + 1 < p.head_size ? qrow[d + 1] : from_float<T>(0.0f));
+      }
+    float o[MT][4], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};  // rows 2t, 2t + 1
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+    pd_pipeline<S>(pd_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
+      pd_issue<CacheT, HD, S::TILE, S::PITCH>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    }, [&](const unsigned char* stage, int base) {
+      const int key0 = base + 16 * warp;
+      if (key0 > hi) return;  // the warp's keys are all past the last (warp-uniform)
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // S^T: keys key0 + g (+ 8), rows 2t, 2t + 1
+      pm_scores<T, KV, HD, S::PITCH>(s, stage + 16 * warp * S::PITCH, qb, lane);
+      float alpha[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // row 2t + e: the online-softmax step over the warp's 16 keys
+        const PaRow row = rows[2 * t + e];
+        float x[2], mx = neg_inf();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = key0 + g + 8 * h;
+          float v = s[2 * h + e] * qscale;
+          if (p.softcap > 0.0f) v = p.softcap * tanhf(v / p.softcap);
+          v -= row.slope * fabsf(float(key - row.pos));
+          x[h] = key >= row.lo && key <= row.hi ? v : neg_inf();  // masking by selection
+          mx = fmaxf(mx, x[h]);
+        }
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float mn = fmaxf(m[e], mx);
+        alpha[e] = m[e] == neg_inf() ? 0.0f : expf(m[e] - mn);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s[2 * h + e] = x[h] == neg_inf() ? 0.0f : expf(x[h] - mn);
+        l[e] = l[e] * alpha[e] + s[e] + s[2 + e];
+        m[e] = mn;
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1]; o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
+      }
+      float* pw = pt[warp];  // P^T to B fragments: (keys 2t, 2t + 1 | 2t + 8, 2t + 9; row g)
+      *reinterpret_cast<float2*>(pw + pm_at(g) + 2 * t) = make_float2(s[0], s[1]);
+      *reinterpret_cast<float2*>(pw + pm_at(g + 8) + 2 * t) = make_float2(s[2], s[3]);
+      __syncwarp();
+      float2 b0 = make_float2(pw[pm_at(2 * t) + g], pw[pm_at(2 * t + 1) + g]);
+      float2 b1 = make_float2(pw[pm_at(2 * t + 8) + g], pw[pm_at(2 * t + 9) + g]);
+      __syncwarp();  // read before the next tile's writes
+      unsigned pf[PARTS][2];
+#pragma unroll
+      for (int k = 0; k < PARTS; ++k) { pf[k][0] = tc_part<T>(b0); pf[k][1] = tc_part<T>(b1); }
+      pm_values<T, KV, HD, S::PITCH, PARTS>(o, stage + (S::TILE + 16 * warp) * S::PITCH, pf, lane);
+    });
+    pm_finish<KV, HD>(pd_smem, o, m, l, KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value,
+                                                                       p.scale_per_head, kv_head));
+    pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,
+                          tmp_output, p);
   }
 }
 
@@ -789,7 +1027,7 @@ __device__ __forceinline__ int md_at(int row, int col) { return row * PD_TILE + 
 
 template <class CacheT, int MT>
 struct MdSmem {
-  static constexpr int ROWS = 16 * MT;
+  static constexpr int ROWS = 16 * MT, TILE = PD_TILE;
   static constexpr int ROW = MD_HD * int(sizeof(CacheT)) + 16;  // a stage's row, bytes (+16: conflict-free)
   static constexpr int TROW = MD_HD * 2 + 16;                   // a 16-bit row, the mma operands' tile
   static constexpr int STAGE = PD_TILE * ROW;
@@ -832,10 +1070,7 @@ __device__ __forceinline__ void md_convert(unsigned char* dst, const unsigned ch
     unsigned w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const unsigned short pair = (unsigned short)((k < 2 ? codes.x : codes.y) >> (16 * (k % 2)));
-      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, KV == KV_E4M3 ? __NV_E4M3 : __NV_E5M2));
-      const float2 f = __half22float2(h);
-      w[k] = tc_pack<T>(from_float<T>(f.x), from_float<T>(f.y));
+      w[k] = tc_fp8x2<KV, T>((k < 2 ? codes.x : codes.y) >> (16 * (k % 2)));
     }
     *reinterpret_cast<uint4*>(dst + j * TROW + c * 16) = make_uint4(w[0], w[1], w[2], w[3]);
   }
@@ -907,14 +1142,6 @@ __device__ __forceinline__ void md_softmax(const float* spart, float* ps, float*
   *reinterpret_cast<float4*>(ps + md_at(r, j0)) = make_float4(x[0], x[1], x[2], x[3]);
 }
 
-// The fragment register of P elements a, b (float32) as 16-bit part `k`: a and b less the parts before it.
-template <class T>
-__device__ __forceinline__ unsigned md_part(float2& x) {
-  const T a = from_float<T>(x.x), b = from_float<T>(x.y);
-  x = make_float2(x.x - to_float(a), x.y - to_float(b));
-  return tc_pack<T>(a, b);
-}
-
 // o = o * alpha + P V for warp w's MW m tiles (rows row0 ..) and NC n8 tiles of columns c0 .., over k8 steps
 // of keys (m16n8k8: half the fragment registers of k16, so q, o and the fragments fit 128 registers); one mma
 // per part of P, the smallest first.
@@ -940,7 +1167,7 @@ __device__ __forceinline__ void md_values(float (&o)[MW][NC][4], const unsigned 
       float2 x0 = *reinterpret_cast<const float2*>(at + 16 * mi * PD_TILE);
       float2 x1 = *reinterpret_cast<const float2*>(at + (16 * mi + 8) * PD_TILE);
 #pragma unroll
-      for (int k = 0; k < PARTS; ++k) { pf[mi][k][0] = md_part<T>(x0); pf[mi][k][1] = md_part<T>(x1); }
+      for (int k = 0; k < PARTS; ++k) { pf[mi][k][0] = tc_part<T>(x0); pf[mi][k][1] = tc_part<T>(x1); }
     }
 #pragma unroll
     for (int nq = 0; nq < NC / 4; ++nq) {  // columns c0 + 32 nq .. + 31: b0 of four n tiles (.trans of [key][col])
@@ -1009,7 +1236,7 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
   typedef MdSmem<CacheT, MT> S;
   constexpr int MW = MT == 1 ? 1 : 2, NC = 16 / MW;  // P V: m tiles and n8 column tiles of a warp
   extern __shared__ __align__(16) unsigned char md_smem[];
-  __shared__ int ids[S::STAGES][PD_TILE + 1];  // block ids of the tile in each stage
+  __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
   const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, head0 = blockIdx.x % p.decode_tiles * S::ROWS;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
   if (sq.q_len > p.decode_max_q || sq.q_len == 0 || split >= sq.splits.count) return;  // another kernel's
@@ -1045,29 +1272,10 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
   float* ps = reinterpret_cast<float*>(md_smem + S::P);
   float* alpha_s = reinterpret_cast<float*>(md_smem + S::ALPHA);
   const int* table = block_tables + seq * p.table_stride;
-  const int ntiles = hi >= lo ? (hi - lo) / PD_TILE + 1 : 0;
-  for (int u = 0; u < S::STAGES - 1 && u < ntiles; ++u) {  // the first tiles' block ids
-    const PdTile tile = pd_tile(lo, hi, u, p.block_size);
-    for (int b = threadIdx.x; b < tile.blocks; b += blockDim.x) ids[u][b] = table[tile.first_block + b];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int u = 0; u < S::STAGES - 1; ++u) {  // the pipeline's prologue: STAGES - 1 tiles in flight
-    if (u < ntiles)
-      md_issue<CacheT, S::ROW>(md_smem + u * S::STAGE, key_cache, ids[u], pd_tile(lo, hi, u, p.block_size), p);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-  }
-  for (int t = 0; t < ntiles; ++t) {
-    const int next = t + S::STAGES - 1;
-    const PdTile tile = pd_tile(lo, hi, next, p.block_size);
-    if (next < ntiles && threadIdx.x < tile.blocks)
-      ids[next % S::STAGES][threadIdx.x] = table[tile.first_block + threadIdx.x];
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
-    __syncthreads();  // everyone's landed, the ids above are visible, and tile t - 1 is consumed
-    if (next < ntiles)
-      md_issue<CacheT, S::ROW>(md_smem + next % S::STAGES * S::STAGE, key_cache, ids[next % S::STAGES], tile, p);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-    const unsigned char* kt = md_smem + t % S::STAGES * S::STAGE;
+  pd_pipeline<S>(md_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
+    md_issue<CacheT, S::ROW>(stage, key_cache, tile_ids, tile, p);
+  }, [&](const unsigned char* stage, int base) {
+    const unsigned char* kt = stage;
     if constexpr (KV != KV_AUTO) {
       md_convert<KV, T, S::ROW, S::TROW>(md_smem + S::CONV, kt);
       kt = md_smem + S::CONV;
@@ -1075,13 +1283,11 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
     }
     md_scores<T, S::ROWS, S::TROW>(reinterpret_cast<float*>(md_smem + S::SPART), kt, qa, warp, lane);
     __syncthreads();  // the four partial sums of every score are in
-    const int base = lo + t * PD_TILE;
     md_softmax<S::ROWS>(reinterpret_cast<const float*>(md_smem + S::SPART), ps, alpha_s, state, r, j0,
                         min(PD_TILE, hi - base + 1), base, pos, qscale, p.softcap);
     __syncthreads();  // P and the rescale factors are in
     md_values<T, MW, NC, S::TROW>(o, kt, ps, alpha_s, row0, c0, lane);
-  }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  });
   __syncthreads();  // the last tile's (m, l) are in
   md_finish<T, MW, NC>(o, state, S::ROWS, row0, c0, head0, token, split, sq.splits.count, sq.seq_len, oscale, sinks,
                        out, lse, max_logits, exp_sums, tmp_output, p);

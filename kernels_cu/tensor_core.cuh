@@ -80,4 +80,22 @@ __device__ __forceinline__ unsigned tc_pack(T lo, T hi) {
          unsigned(*reinterpret_cast<const unsigned short*>(&hi)) << 16;
 }
 
+// The next 16-bit part of float32 elements x (a fragment register): x keeps what is left, so parts taken in turn
+// sum to x (fp16: two keep ~22 bits, bf16: three).
+template <class T>
+__device__ __forceinline__ unsigned tc_part(float2& x) {
+  const T a = from_float<T>(x.x), b = from_float<T>(x.y);
+  x = make_float2(x.x - to_float(a), x.y - to_float(b));
+  return tc_pack<T>(a, b);
+}
+
+// Two fp8 codes (the low 16 bits) as a fragment register of two T: exact (every fp8 value is a T).
+template <int KV, class T>
+__device__ __forceinline__ unsigned tc_fp8x2(unsigned codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((unsigned short)codes, KV == KV_E4M3 ? __NV_E4M3 : __NV_E5M2);
+  if constexpr (TcHalf<T>::value) return unsigned(h.x) | unsigned(h.y) << 16;
+  const float2 f = __half22float2(__half2(h));
+  return tc_pack<T>(from_float<T>(f.x), from_float<T>(f.y));
+}
+
 }  // namespace cupaged

@@ -29,7 +29,6 @@ import _model  # noqa: E402
 import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
-from cupaged.attention import choose_split, kernel_constants  # noqa: E402
 from cupaged.paged_attention import workspace_bytes  # noqa: E402
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
@@ -82,11 +81,24 @@ def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, he
     return run
 
 
+def production_split(s: dict) -> int:
+    """The kv_split_size the plan gives the full batch of shape ``s`` (shape-only stand-ins: the plan reads
+    no contents), or the context when it does not split."""
+    dtype, kv_cache_dtype = DTYPES[s["kv_dtype"]]
+    q = np.empty((s["batch"] * s["q_len"], s["num_heads"], s["head_size"]), dtype)
+    cache = np.empty((1, BLOCK, s["num_kv_heads"], s["head_size"]), np.uint8 if kv_cache_dtype != "auto" else dtype)
+    kv = cupaged.KvView.paged(cache, cache, q, kv_cache_dtype)
+    qsl = None if s["q_len"] == 1 else np.empty(s["batch"] + 1, np.int32)
+    plan = cupaged.plan_attention(q, kv, np.empty((s["batch"], -(-s["context"] // BLOCK)), np.int32),
+                                  np.empty(s["batch"], np.int32), qsl, max_query_len=s["q_len"],
+                                  max_seq_len=s["context"])
+    return plan.kv_split_size or s["context"]
+
+
 def project(s: dict, subset: int, block_stride) -> dict:
     """Model row of shape ``s``: its plan (the split the full batch gets) run on ``subset`` sequences."""
     gqa = s["num_heads"] // s["num_kv_heads"]
-    tiles = -(-s["q_len"] * gqa // kernel_constants()["PA_ROWS"])
-    split = choose_split(np, s["batch"] * s["num_kv_heads"] * tiles, s["context"]) or s["context"]
+    split = production_split(s)
     splits = split < s["context"]
     run = setup("sim", subset, s["context"], s["q_len"], gqa, s["kv_dtype"], s["num_kv_heads"], s["head_size"],
                 kv_split_size=split, workspace=splits)

@@ -10,6 +10,7 @@ import pytest
 
 import cupaged
 from cupaged import reference
+from cupaged._attention_kernels import decode_smem_bytes
 from cupaged.testing import assert_close
 from tests.test_paged_attention import C, build
 
@@ -138,7 +139,7 @@ def test_the_kernel_is_opted_in_for_shared_memory_once(monkeypatch):
         out = cupaged.paged_attention(**inputs, **options)
         assert_close(out, ref_out, F16, "out")
     # a decode batch: the decode kernel alone, its pipeline stages (4 x 32 fp16 K/V rows of the 64 bucket)
-    assert sets == [("max_dynamic_shared_size_bytes", attention.decode_smem_bytes(2, 64, 4))] == [
+    assert sets == [("max_dynamic_shared_size_bytes", decode_smem_bytes(2, 64))] == [
         ("max_dynamic_shared_size_bytes", 4 * 2 * 32 * 64 * 2)]
 
 

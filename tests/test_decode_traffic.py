@@ -1,4 +1,4 @@
-"""The decode kernels' memory traffic (paged_decode_kernel, mla_decode_kernel), counted exactly by the sim's
+"""The decode kernels' memory traffic (paged_decode_kernel, paged_decode_mma_kernel, mla_decode_kernel), counted exactly by the sim's
 profiler (cupaged.sim.profile) -- the counts issue 16 sets: every visible K/V byte read once (unique bytes
 of key_cache and value_cache within 2% of the visible tokens' bytes), coalesced (sector efficiency >= 0.95
 on both), shared memory without bank conflicts in the main loop (<= 5% of its wavefronts; the one-off merge
@@ -7,6 +7,7 @@ the H200 model's occupancy). Counts, not times: they are the same on every machi
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -16,19 +17,23 @@ from cupaged.attention import FAMILY
 from cupaged.testing import paged_kv
 
 
-def _merge_lines() -> range:
-    """Source lines of pd_finish (the end-of-CTA merge) in the compiled module's text."""
+def _merge_lines() -> set:
+    """Source lines of the end-of-CTA merge (pd_finish, pm_finish, pd_store) in the compiled module's text."""
     lines = FAMILY.source.splitlines()
-    first = next(i for i, x in enumerate(lines) if "void pd_finish(" in x) + 1
-    last = next(i for i in range(first, len(lines)) if lines[i].startswith("}")) + 1
-    return range(first, last + 1)
+    merge = set()
+    for name in ("pd_finish", "pm_finish", "pd_store"):
+        first = next(i for i, x in enumerate(lines) if f"void {name}(" in x) + 1
+        last = next(i for i in range(first, len(lines)) if lines[i].startswith("}")) + 1
+        merge.update(range(first, last + 1))
+    return merge
 
 
 @pytest.mark.parametrize("heads, dtype, kv_cache_dtype, layout", [
-    ((16, 4), np.float16, "auto", "NHD"),       # GQA 4: 4 query rows per CTA
-    ((32, 4), np.float16, "auto", "HND"),       # GQA 8: 8 rows
+    ((16, 4), np.float16, "auto", "NHD"),       # GQA 4: paged_decode_kernel, 4 query rows per CTA
+    ((32, 4), np.float16, "auto", "HND"),       # GQA 8: paged_decode_mma_kernel, 8 rows
     ((16, 4), np.float16, "fp8", "NHD"),        # fp8 codes, half the bytes
-], ids=["gqa4-fp16", "gqa8-fp16-hnd", "gqa4-fp8"])
+    ((32, 4), ml_dtypes.bfloat16, "fp8_e5m2", "NHD"),  # tensor cores over fp8 codes (ldmatrix of byte pairs)
+], ids=["gqa4-fp16", "gqa8-fp16-hnd", "gqa4-fp8", "gqa8-bf16-fp8"])
 def test_decode_reads_each_visible_kv_byte_once_coalesced(heads, dtype, kv_cache_dtype, layout):
     num_heads, num_kv_heads = heads
     seq_lens = [517, 300]
@@ -40,7 +45,7 @@ def test_decode_reads_each_visible_kv_byte_once_coalesced(heads, dtype, kv_cache
     with sim.profile() as prof:
         cupaged.paged_attention(q, *caches, kv.block_tables, kv.seq_lens, kv_cache_dtype=kv_cache_dtype,
                                 k_scale=kv.k_scale, v_scale=kv.v_scale, layout=layout)
-    (launch,) = [x for x in prof.launches if "paged_decode_kernel" in x.kernel]
+    (launch,) = [x for x in prof.launches if "paged_decode" in x.kernel]
     visible = sum(seq_lens) * num_kv_heads * 128 * caches[0].itemsize
     for name in ("key_cache", "value_cache"):
         arg = launch.args[name]

@@ -1,6 +1,6 @@
 """The Python mirrors of kernel constants and parameter structs (cupaged/_mirror.py) against what the
 compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field, PaSmem's size, the decode
-kernel's PdSmem (every cache element size and head bucket) and the MLA decode kernel's MdSmem."""
+kernels' PdSmem and PmSmem (every cache element size and head bucket) and the MLA decode kernel's MdSmem."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import importlib
 import numpy as np
 import pytest
 
-from cupaged import attention, sim
+from cupaged import _attention_kernels as kernels, attention, sim
 from cupaged._mirror import constants, struct_dtype
 
 
@@ -19,11 +19,12 @@ def _probe_source() -> tuple:
     lines = [f"  out[{1 + i}] = reinterpret_cast<const char*>(&p.{f}) - base;" for i, f in enumerate(fields)]
     lines += [f"  out[{1 + len(fields) + i}] = cupaged::PaSmem<{hd}, {vhd}, {'true' if s else 'false'}>::FLOATS;"
               for i, (hd, vhd, s) in enumerate(smem)]
-    decode = [(c, size, hd, rows) for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
-              for hd in attention.HEAD_BUCKETS for rows in attention.DECODE_ROWS]
-    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::PdSmem<{c}, {hd}, {rows}>::BYTES;"
-              for i, (c, _, hd, rows) in enumerate(decode)]
-    mla = [(c, size, mt) for c, size in (("unsigned char", 1), ("__half", 2)) for mt in attention.MLA_TILES]
+    decode = [("PdSmem", c, size, hd) for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
+              for hd in attention.HEAD_BUCKETS]
+    decode += [("PmSmem", c, size, hd) for c, size in (("unsigned char", 1), ("__half", 2)) for hd in kernels.MMA_BUCKETS]
+    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::{s}<{c}, {hd}>::BYTES;"
+              for i, (s, c, _, hd) in enumerate(decode)]
+    mla = [(c, size, mt) for c, size in (("unsigned char", 1), ("__half", 2)) for mt in kernels.MLA_TILES]
     at = 1 + len(fields) + len(smem) + len(decode)
     lines += [f"  out[{at + i}] = cupaged::MdSmem<{c}, {mt}>::BYTES;" for i, (c, _, mt) in enumerate(mla)]
     probe = ('extern "C" __global__ void pa_layout(long long* out) {\n  cupaged::PaParams p;\n'
@@ -40,10 +41,10 @@ def test_params_struct_and_shared_memory_match_the_kernel():
     assert out[0] == dtype.itemsize
     assert out[1:1 + len(fields)].tolist() == [dtype.fields[f][1] for f in fields]
     n = 1 + len(fields) + len(smem)
-    assert [4 * int(x) for x in out[1 + len(fields):n]] == [attention.smem_bytes(*s) for s in smem]
-    assert out[n:n + len(decode)].tolist() == [attention.decode_smem_bytes(size, hd, rows)
-                                               for _, size, hd, rows in decode]
-    assert out[n + len(decode):].tolist() == [attention.mla_smem_bytes(size, mt) for _, size, mt in mla]
+    assert [4 * int(x) for x in out[1 + len(fields):n]] == [kernels.smem_bytes(*s) for s in smem]
+    sizes = {"PdSmem": kernels.decode_smem_bytes, "PmSmem": kernels.decode_mma_smem_bytes}
+    assert out[n:n + len(decode)].tolist() == [sizes[s](size, hd) for s, _, size, hd in decode]
+    assert out[n + len(decode):].tolist() == [kernels.mla_smem_bytes(size, mt) for _, size, mt in mla]
 
 
 def test_probe_compiles_under_nvrtc():

@@ -1,0 +1,123 @@
+"""The kernels of kernels_cu/paged_attention.cu as the attention engine (cupaged/attention.py) launches them:
+their name expressions (the family), the constants and dynamic shared memory of each, and the decode route
+that sends short query runs to a decode kernel. The sizes mirror the kernels' own structs
+(tests/test_mirror.py checks every one)."""
+
+from __future__ import annotations
+
+import functools
+
+from cupaged._cache_args import KV_KINDS
+from cupaged._mirror import constants
+from cupaged._runtime import KernelFamily
+
+HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
+MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
+MMA_BUCKETS = (64, 128)  # head sizes of the tensor-core decode kernel (256 would not fit 99 KB GPUs' stages)
+_TYPES = ("float", "__half", "__nv_bfloat16")
+MLA_TILES = (1, 4)  # the MLA decode kernel's m16 tiles of query heads per CTA: 16 heads (128 threads) or 64 (512)
+ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
+
+
+def main_kernel(t, kv, hd, vhd, shared):
+    return f"cupaged::paged_attention_kernel<{t}, {kv}, {hd}, {vhd}, {'true' if shared else 'false'}>"
+
+
+def reduce_kernel(t):
+    return f"cupaged::paged_attention_reduce_kernel<{t}>"
+
+
+def decode_kernel(t, kv, hd):
+    return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}>"
+
+
+def decode_mma_kernel(t, kv, hd):
+    return f"cupaged::paged_decode_mma_kernel<{t}, {kv}, {hd}>"
+
+
+def mla_kernel(t, kv, mt):
+    return f"cupaged::mla_decode_kernel<{t}, {kv}, {mt}>"
+
+
+FAMILY = KernelFamily("paged_attention", [
+    *(main_kernel(t, kv, hd, hd, False) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
+    *(main_kernel(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
+    *(reduce_kernel(t) for t in _TYPES),
+    *(decode_kernel(t, kv, hd) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
+    *(decode_mma_kernel(t, kv, hd) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS),
+    *(mla_kernel(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
+])
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_constants() -> dict[str, int]:
+    """PA_*, PD_* (the decode kernels'), PM_* (the tensor-core decode kernel's) and MD_* (MLA decode's) as
+    kernels_cu/paged_attention.cu defines them."""
+    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q",
+                     "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD")
+
+
+def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
+    """Dynamic shared memory of the main kernel: PaSmem<HD, VHD, SHARED_KV>::FLOATS floats."""
+    c = kernel_constants()
+    rows, tile = c["PA_ROWS"], c["PA_TILE"]
+    kv = tile * (hd + 1) + (0 if shared else tile * vhd)
+    return 4 * (rows * hd + kv + rows * tile + 3 * rows)
+
+
+def decode_smem_bytes(cache_itemsize: int, hd: int) -> int:
+    """Dynamic shared memory of paged_decode_kernel: PdSmem<CacheT, HD>::BYTES (its pipeline stages, or the
+    warps' merge area when larger)."""
+    c = kernel_constants()
+    stage = 2 * c["PD_TILE"] * hd * cache_itemsize
+    stages = 4 if 4 * stage <= 65536 else 3 if 3 * stage <= 98304 else 2
+    return max(stages * stage, 4 * c["PD_ROWS"] * (hd + 2) * 4)
+
+
+def decode_mma_smem_bytes(cache_itemsize: int, hd: int) -> int:
+    """Dynamic shared memory of paged_decode_mma_kernel: PmSmem<CacheT, HD>::BYTES (stages of rows padded by
+    16 bytes, or the merge area)."""
+    c = kernel_constants()
+    stage = 2 * c["PM_TILE"] * (hd * cache_itemsize + 16)
+    return max((3 if 3 * stage <= 65536 else 2) * stage, 4 * c["PM_ROWS"] * (hd + 2) * 4)
+
+
+def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
+    """Dynamic shared memory of the MLA decode kernel: MdSmem<CacheT, MT>::BYTES (its stages of padded latent
+    rows, fp8's converted tile, the score partials, P and the rows' state)."""
+    c = kernel_constants()
+    tile, width, rows = c["PD_TILE"], c["MD_HD"], 16 * mt
+    stages = 2 if mt == 1 else 3
+    converted = tile * (2 * width + 16) if cache_itemsize == 1 else 0
+    return stages * tile * (width * cache_itemsize + 16) + converted + 5 * rows * tile * 4 + 4 * rows * 4
+
+
+def resident_ctas(threads: int, shared_bytes: int, sm_shared: int) -> int:
+    """CTAs of a decode kernel resident on one SM: each is held to <= 128 registers a thread by its
+    __launch_bounds__ (the compile gate checks), and the driver reserves 1 KB of shared memory per CTA."""
+    return max(1, min(65536 // (128 * threads), 2048 // threads, sm_shared // (shared_bytes + 1024)))
+
+
+def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable):
+    """(kernel, decode_max_q, tiles, threads, shared bytes) of the decode kernel the plan routes short query runs
+    to, or None: mla_decode_kernel (16-bit q over a paged latent cache, q_len 1), paged_decode_mma_kernel (GQA
+    groups over 4, 16-bit q, head size <= 128: tiles of 8 query rows) or paged_decode_kernel (tiles of 4
+    rows); both take flash / dense rows with q_len <= PD_MAX_Q. None: every row stays on paged_attention_kernel."""
+    if not decodable:
+        return None
+    if kind == "mla":
+        if q_dtype.itemsize != 2 or dense:
+            return None
+        mt = MLA_TILES[0] if num_heads <= 16 * MLA_TILES[0] else MLA_TILES[-1]
+        return (mla_kernel(t, kv, mt), ALL_ROWS if max_q <= 1 else 1, -(-num_heads // (16 * mt)), 128 * mt,
+                mla_smem_bytes(cache_itemsize, mt))
+    c = kernel_constants()
+    short = min(max_q, c["PD_MAX_Q"])
+    max_q_taken = ALL_ROWS if max_q <= c["PD_MAX_Q"] else c["PD_MAX_Q"]
+    # Chosen from the model's shape alone (never from the batch's query lengths), so a sequence takes the same
+    # kernel in every batch: a fixed kv_split_size keeps its results bitwise the same.
+    if group > c["PD_ROWS"] and q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
+        return (decode_mma_kernel(t, kv, hd), max_q_taken, -(-short * group // c["PM_ROWS"]), c["PD_THREADS"],
+                decode_mma_smem_bytes(cache_itemsize, hd))
+    return (decode_kernel(t, kv, hd), max_q_taken, -(-short * group // c["PD_ROWS"]), c["PD_THREADS"],
+            decode_smem_bytes(cache_itemsize, hd))
