@@ -31,8 +31,8 @@ def decode_kernel(t, kv, hd):
     return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}>"
 
 
-def decode_mma_kernel(t, kv, hd):
-    return f"cupaged::paged_decode_mma_kernel<{t}, {kv}, {hd}>"
+def decode_mma_kernel(t, kv, hd, vt):
+    return f"cupaged::paged_decode_mma_kernel<{t}, {kv}, {hd}, {'true' if vt else 'false'}>"
 
 
 def mla_kernel(t, kv, mt):
@@ -44,7 +44,7 @@ FAMILY = KernelFamily("paged_attention", [
     *(main_kernel(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
     *(reduce_kernel(t) for t in _TYPES),
     *(decode_kernel(t, kv, hd) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
-    *(decode_mma_kernel(t, kv, hd) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS),
+    *(decode_mma_kernel(t, kv, hd, vt) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS for vt in (0, 1)),
     *(mla_kernel(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
 ])
 
@@ -74,11 +74,13 @@ def decode_smem_bytes(cache_itemsize: int, hd: int) -> int:
     return max(stages * stage, 4 * c["PD_ROWS"] * (hd + 2) * 4)
 
 
-def decode_mma_smem_bytes(cache_itemsize: int, hd: int) -> int:
-    """Dynamic shared memory of paged_decode_mma_kernel: PmSmem<CacheT, HD>::BYTES (stages of rows padded by
-    16 bytes, or the merge area)."""
+def decode_mma_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
+    """Dynamic shared memory of paged_decode_mma_kernel: PmSmem<CacheT, HD, VT>::BYTES (stages of K rows padded by
+    16 bytes, then V rows alike or, for vLLM's values (vt), V^T rows of the tile's keys; or the merge area)."""
     c = kernel_constants()
-    stage = 2 * c["PM_TILE"] * (hd * cache_itemsize + 16)
+    tile = c["PM_TILE"]
+    rows = tile * (hd * cache_itemsize + 16)
+    stage = rows + (hd * (tile if cache_itemsize == 1 else 2 * tile + 16) if vt else rows)
     return max((3 if 3 * stage <= 65536 else 2) * stage, 4 * c["PM_ROWS"] * (hd + 2) * 4)
 
 
@@ -98,26 +100,33 @@ def resident_ctas(threads: int, shared_bytes: int, sm_shared: int) -> int:
     return max(1, min(65536 // (128 * threads), 2048 // threads, sm_shared // (shared_bytes + 1024)))
 
 
-def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable):
+def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, one_query, hd, cache_itemsize, dense, layout):
     """(kernel, decode_max_q, tiles, threads, shared bytes) of the decode kernel the plan routes short query runs
-    to, or None: mla_decode_kernel (16-bit q over a paged latent cache, q_len 1), paged_decode_mma_kernel (GQA
-    groups over 4, 16-bit q, head size <= 128: tiles of 8 query rows) or paged_decode_kernel (tiles of 4
-    rows); both take flash / dense rows with q_len <= PD_MAX_Q. None: every row stays on paged_attention_kernel."""
-    if not decodable:
+    to, or None. ``layout``: KvView.decode_layout; ``one_query``: no query_start_loc. mla_decode_kernel: 16-bit q
+    over a paged latent cache, q_len 1.
+    paged_decode_mma_kernel (tiles of 8 query rows): 16-bit q, head size <= 128, GQA groups over 4, or any group
+    over vLLM's values (its V^T tiles feed the tensor cores as they are). paged_decode_kernel (tiles of 4 rows):
+    the other V rows. Either takes q_len <= PD_MAX_Q; None: every row stays on paged_attention_kernel."""
+    if layout is None:
         return None
     if kind == "mla":
         if q_dtype.itemsize != 2 or dense:
             return None
         mt = MLA_TILES[0] if num_heads <= 16 * MLA_TILES[0] else MLA_TILES[-1]
-        return (mla_kernel(t, kv, mt), ALL_ROWS if max_q <= 1 else 1, -(-num_heads // (16 * mt)), 128 * mt,
+        # one query per sequence by construction (no query_start_loc): it takes them all; otherwise it takes the
+        # single queries and paged_attention_kernel the rest, whatever max_query_len says
+        return (mla_kernel(t, kv, mt), ALL_ROWS if one_query else 1, -(-num_heads // (16 * mt)), 128 * mt,
                 mla_smem_bytes(cache_itemsize, mt))
     c = kernel_constants()
     short = min(max_q, c["PD_MAX_Q"])
     max_q_taken = ALL_ROWS if max_q <= c["PD_MAX_Q"] else c["PD_MAX_Q"]
-    # Chosen from the model's shape alone (never from the batch's query lengths), so a sequence takes the same
-    # kernel in every batch: a fixed kv_split_size keeps its results bitwise the same.
-    if group > c["PD_ROWS"] and q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
-        return (decode_mma_kernel(t, kv, hd), max_q_taken, -(-short * group // c["PM_ROWS"]), c["PD_THREADS"],
-                decode_mma_smem_bytes(cache_itemsize, hd))
+    vt = layout == "vllm"
+    # Chosen from the model's shape and cache alone (never from the batch's query lengths), so a sequence takes
+    # the same kernel in every batch: a fixed kv_split_size keeps its results bitwise the same.
+    if (group > c["PD_ROWS"] or vt) and q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
+        return (decode_mma_kernel(t, kv, hd, vt), max_q_taken, -(-short * group // c["PM_ROWS"]), c["PD_THREADS"],
+                decode_mma_smem_bytes(cache_itemsize, hd, vt))
+    if vt:
+        return None
     return (decode_kernel(t, kv, hd), max_q_taken, -(-short * group // c["PD_ROWS"]), c["PD_THREADS"],
             decode_smem_bytes(cache_itemsize, hd))

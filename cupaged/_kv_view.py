@@ -43,13 +43,23 @@ class KvView:
     vec_k: bool
     vec_v: bool
 
-    @property
-    def decodable(self) -> bool:
-        """A decode kernel can read it: rows contiguous and 16-byte aligned; paged_decode_kernel's K and V of one
-        head size (flash NHD / HND caches and dense rows; not the vLLM layout), mla_decode_kernel's latent rows."""
+    @functools.cached_property
+    def decode_layout(self) -> str | None:
+        """How a decode kernel reads these K/V, or None (paged_attention_kernel alone): "rows" (K and V rows of one
+        head size, contiguous and 16-byte aligned: flash NHD / HND caches, dense rows; MLA's aligned latent rows),
+        "vllm" (vLLM's values [.., head_size, block_size]: 16-byte runs of one dimension over X keys, copied as
+        V^T tiles, so aligned, with blocks of whole runs; its key chunks are 16-byte rows already)."""
         if self.kind == "mla":
-            return self.vec_k
-        return self.head_size == self.v_head_size and self.vec_k and self.vec_v and self.strides["v_dim_stride"] == 1
+            return "rows" if self.vec_k else None
+        if self.head_size != self.v_head_size or not self.vec_k:
+            return None
+        s = self.strides
+        if s["v_dim_stride"] == 1:
+            return "rows" if self.vec_v else None
+        x = 16 // self.value.itemsize
+        runs = s["v_page_stride"] == 1 and self.block_size % x == 0
+        return "vllm" if runs and _aligned(self.value, [s["v_block_stride"], s["v_head_stride"], s["v_dim_stride"]],
+                                           x) else None
 
     @functools.cached_property
     def key_id(self) -> str:

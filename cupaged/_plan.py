@@ -38,12 +38,13 @@ class AttentionPlan:
     shared_mem: int
     kernel: str | None         # name expressions; kernel None: the decode kernel takes every row
     reduce_kernel: str | None
-    decode_kernel: str | None = None  # paged_decode_kernel for sequences with q_len <= decode_max_q
+    decode_kernel: str | None = None  # a decode kernel for sequences with q_len <= decode_max_q
     decode_grid: tuple = ()
     decode_threads: int = 0
     decode_shared_mem: int = 0
     decode_tiles: int = 0      # the decode grid's row tiles of 4 or 8 rows (the kernel's ROWS)
     decode_max_q: int = 0      # 0: no decode kernel; ALL_ROWS: it takes every sequence
+    decode_layout: str | None = None  # the KvView.decode_layout the decode kernel reads
 
     @property
     def partial_shapes(self):
@@ -92,7 +93,8 @@ def carve_workspace(workspace, plan: AttentionPlan):
     rows = plan.partial_shapes[0]
     n = math.prod(rows)
     off = (-address(workspace)) % 256
-    ml = workspace[off:off + 4 * n].view(np.float32).reshape(rows)
-    es = workspace[off + 4 * n:off + 8 * n].view(np.float32).reshape(rows)
-    tmp = workspace[off + 8 * n:off + 8 * n + 4 * n * plan.v_head_size].view(np.float32)
+    t = 4 * n * plan.v_head_size  # tmp_output first: its rows stay 16-byte aligned for the merge's vector loads
+    tmp = workspace[off:off + t].view(np.float32)
+    ml = workspace[off + t:off + t + 4 * n].view(np.float32).reshape(rows)
+    es = workspace[off + t + 4 * n:off + t + 8 * n].view(np.float32).reshape(rows)
     return ml, es, tmp.reshape(*rows, plan.v_head_size)

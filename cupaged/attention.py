@@ -53,7 +53,6 @@ def _packed_params(values: tuple) -> np.ndarray:
 
 
 MIN_SPLIT = 256  # keys: contexts up to this are never split
-SPLIT_STEP = 64  # split sizes are whole tiles of the decode kernels (32 and 64 keys)
 
 
 def choose_split(xp, ctas: int, max_kv: int, per_sm: int = 2) -> int:
@@ -63,15 +62,23 @@ def choose_split(xp, ctas: int, max_kv: int, per_sm: int = 2) -> int:
 
 
 def split_for(sms: int, per_sm: int, ctas: int, max_kv: int) -> int:
-    """A grid that fills a wave (SMs x resident CTAs) keeps every SM busy and is not split (a split adds the
-    merge's traffic and launch); a smaller one splits contexts longer than MIN_SPLIT into >= 2 full waves."""
+    """A grid that fills >= 90% of a wave (SMs x resident CTAs) keeps the SMs at their occupancy and is not split
+    (a split would only add the merge's traffic and launch). A smaller one splits contexts longer than MIN_SPLIT
+    into >= 2 full waves: the fewest splits whose last wave is >= 90% full (a thin last wave is a latency-bound
+    tail), else the fullest within twice the fewest."""
     wave = sms * max(per_sm, 1)
-    if ctas >= wave or max_kv <= MIN_SPLIT:
+    if ctas >= 0.9 * wave or max_kv <= MIN_SPLIT:
         return 0
-    splits = math.ceil(2 * wave / max(ctas, 1))
-    size = max(MIN_SPLIT, -(-math.ceil(max_kv / splits) // SPLIT_STEP) * SPLIT_STEP)
-    if size > MIN_SPLIT and math.ceil(max_kv / size) * ctas < 2 * wave:  # rounding up lost a split
-        size -= SPLIT_STEP
+    ctas = max(ctas, 1)
+    fewest = math.ceil(2 * wave / ctas)
+
+    def fill(splits):  # the grid's CTAs over the waves they take
+        n = ctas * math.ceil(max_kv / max(MIN_SPLIT, math.ceil(max_kv / splits)))
+        return n / (math.ceil(n / wave) * wave)
+
+    candidates = range(fewest, 2 * fewest + 1)
+    splits = next((n for n in candidates if fill(n) >= 0.9), max(candidates, key=fill))
+    size = max(MIN_SPLIT, math.ceil(max_kv / splits))
     return 0 if size >= max_kv else size
 
 
@@ -85,13 +92,13 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
     return _plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
                  kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
                  query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
-                 (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decodable)
+                 (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decode_layout)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, block_size, table_width, index_len,
           decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, device,
-          decodable) -> AttentionPlan:
+          decode_layout) -> AttentionPlan:
     num_tokens, num_heads, head_size = q_shape
     dense = table_width is None
     num_seqs = index_len - (1 if dense else 0)
@@ -104,7 +111,8 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
     # Sequences whose query run is short take a decode kernel; with a hint saying every run is short it
     # takes them all (an understated hint stays correct), else the longer ones take paged_attention_kernel.
-    route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, dense, decodable)
+    route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, decode, hd, cache_itemsize, dense,
+                         decode_layout)
     decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
@@ -127,7 +135,7 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
         reduce_kernel=reduce_kernel(t) if max_splits > 1 and split > 0 else None,
         decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
         decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),
-        decode_tiles=decode_tiles, decode_max_q=decode_max_q)
+        decode_tiles=decode_tiles, decode_max_q=decode_max_q, decode_layout=decode_layout if decode_kernel else None)
 
 
 def check_fits(plan: AttentionPlan, limit: int, device: str = "this GPU") -> None:
@@ -167,9 +175,9 @@ def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
     got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
-    if plan.decode_kernel is not None and not kv.decodable:
-        raise ValueError("run_attention: the plan routes rows to the decode kernel, which needs K/V rows that are "
-                         "contiguous and 16-byte aligned; this kv's are not: plan with this kv")
+    if plan.decode_kernel is not None and kv.decode_layout != plan.decode_layout:
+        raise ValueError(f"run_attention: the plan's decode kernel reads K/V laid out as {plan.decode_layout!r} "
+                         f"(contiguous, 16-byte aligned runs); this kv's are {kv.decode_layout!r}: plan with this kv")
 
 
 @accepts_foreign_arrays
@@ -234,7 +242,7 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
                 _kernel(plan, name, shared_mem, xp)(grid, (threads,), args, shared_mem=shared_mem)
         if plan.reduce_kernel is not None:  # sequences with one split were finished above
             reduce = FAMILY.function(plan.reduce_kernel, xp)
-            reduce((plan.num_tokens, plan.num_heads), (plan.threads,),
+            reduce((plan.num_tokens, plan.num_heads, -(-plan.v_head_size // 128)), (plan.threads,),
                    (out, lse, max_logits, exp_sums, tmp_output, seq_lens, np.int32(block_tables is None),
                     query_start_loc, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
     return out

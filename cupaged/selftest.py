@@ -135,16 +135,18 @@ def _paged_pool(rng, seqs, heads, head_size, dtype, kv_cache_dtype="auto", layou
     return q, kv
 
 
-def _attention(dtype, kv_cache_dtype="auto", **options):
+def _attention(dtype, kv_cache_dtype="auto", heads=(8, 2), **options):
+    """A decode token, a 6-token run (both decode kernels' q_len <= 16: GQA 8 takes paged_decode_mma_kernel) and
+    a 20-token run (paged_attention_kernel)."""
     def case(asarray, rng):
         seqs = ((1, 300), (6, 40), (20, 20))
-        q, kv = _paged_pool(rng, seqs, (8, 2), 80, dtype, kv_cache_dtype)
+        q, kv = _paged_pool(rng, seqs, heads, 80, dtype, kv_cache_dtype)
         k, v, table, seq_lens, scale = kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, kv.k_scale
         qsl = np.array([0, 1, 7, 27], np.int32)
         opts = dict(options)
         split = opts.pop("kv_split_size", None)
         if opts.pop("sinks", False):
-            opts["sinks"] = rng.uniform(0, 2, 8).astype(np.float32)
+            opts["sinks"] = rng.uniform(0, 2, heads[0]).astype(np.float32)
         dev_opts = {k: asarray(x) if isinstance(x, np.ndarray) else x for k, x in opts.items()}
         out, lse = paged_attention(asarray(q), asarray(k), asarray(v), asarray(table), asarray(seq_lens), asarray(qsl),
                                    kv_cache_dtype=kv_cache_dtype, k_scale=scale, v_scale=scale, return_lse=True,
@@ -227,6 +229,8 @@ CASES = {
                                                                 softcap=30.0),
     "paged_attention float16 fp8 split-KV ALiBi": _attention(np.float16, "fp8", kv_split_size=64,
                                                              alibi_slopes=np.linspace(0.1, 0.8, 8, dtype=np.float32)),
+    "paged_attention bfloat16 GQA 8 fp8_e5m2 sinks (tensor cores)": _attention(ml_dtypes.bfloat16, "fp8_e5m2",
+                                                                             heads=(16, 2), sinks=True),
     "paged_attention_v1 float16": _vllm_attention(1),
     "paged_attention_v2 float16": _vllm_attention(2),
     **{f"merge_attn_states {np.dtype(dt).name}": _merge(dt) for dt in _DTYPES},

@@ -30,19 +30,26 @@
 //      each row's own visible range: masking is selection, never a zero weight times a loaded value. A
 //      sequence whose context fits one split finishes out/LSE itself (softmax_finish); otherwise each split
 //      writes float32 partials (max, exp-sum relative to it, normalized output), and
-//   paged_attention_reduce_kernel merges the splits of one (token, head), adding the sink once (softmax_merge):
-//      each split's weight once into shared memory, then the partial rows read coalesced.
+//   paged_attention_reduce_kernel merges the splits of one (token, head) and 128 columns, adding the sink once
+//      (softmax_merge): each split's weight once into shared memory, then the partial rows read coalesced (4
+//      columns a lane), the 4 warps' loads in flight together (each takes every fourth split), their sums added
+//      in a fixed order.
 //   Head tiles of one split are adjacent in the grid, so for MLA (one latent head shared by up to 128
 //   query heads, 16 per CTA) the CTAs reading the same cache bytes run together and share them in L2.
-//   paged_decode_kernel<T, KV, HD, ROWS>: sequences whose query run is short (decode, speculative decoding;
+//   paged_decode_kernel<T, KV, HD>: sequences whose query run is short (decode, speculative decoding;
 //      p.decode_max_q) over flash NHD / HND caches or dense rows that are contiguous and 16-byte aligned; the
-//      plan routes each sequence by its q_len, and the kernel above keeps the longer runs and the vLLM layout. One CTA per (kv head, sequence, split, tile of ROWS = 4 or 8 query rows: a GQA group). K/V tiles
-//      of PD_TILE keys stay in their storage dtype in shared memory, filled by a 2-4 stage cp.async pipeline
-//      (block ids fetched a tile ahead); a lane owns 8 dimensions of a key row (LPR = HD / 8 lanes a row), so
-//      a whole-row vector load from shared memory feeds all ROWS rows, whose q and output accumulators live in
-//      registers; fp8 converts in pairs in registers, its scales folded into q and the output. Each slot of
-//      LPR lanes keeps its own online softmax over the keys it took; slots merge by shuffles, warps through
-//      shared memory, once at the end. Writes the same partials / out / LSE as the kernel above.
+//      plan routes each sequence by its q_len, and the kernel above keeps the longer runs. One CTA per (kv head,
+//      sequence, split, tile of PD_ROWS = 4 query rows of a GQA group). K/V tiles of PD_TILE keys stay in their
+//      storage dtype in shared memory, filled by a 2-4 stage cp.async pipeline (block ids fetched a tile ahead);
+//      a lane owns 8 dimensions of a key row (LPR = HD / 8 lanes a row), so a whole-row vector load from shared
+//      memory feeds all the rows, whose q and output accumulators live in registers; fp8 converts in pairs in
+//      registers, its scales folded into q and the output. Each slot of LPR lanes keeps its own online softmax
+//      over the keys it took; slots merge by shuffles, warps through shared memory, once at the end. Writes the
+//      same partials / out / LSE as the kernel above.
+//   paged_decode_mma_kernel<T, KV, HD, VT>: the same on tensor cores for tiles of 8 query rows: GQA groups over
+//      4, or any group over vLLM's layout (VT: its values [.., head_size, block_size] arrive as V^T tiles, which
+//      are the A operand as they lie); 16-bit q, head sizes up to 128. S^T = K Q^T and O^T += V^T P^T by
+//      mma.sync m16n8k16, 16 keys a warp, P in 16-bit parts: fp32-P accuracy; see its section below.
 //   mla_decode_kernel<T, KV, MT>: MLA decode (one query per sequence, 16-bit q, a paged latent cache with 16-byte
 //      aligned rows; float32 and longer runs stay on paged_attention_kernel) on tensor cores: 16 MT query heads
 //      a CTA (MT 1: 16 heads, 128 threads; MT 4: 64 heads, 512 threads), S = Q K^T by mma.sync m16n8k16 (q in
@@ -63,6 +70,13 @@
 //       71.8 us (4.6% -> 88.3% of HBM peak), 128 heads 11014.8 -> 246.4 us (296 TFLOP/s; mma term 221.5 us with
 //       bf16 P in three parts, shared memory 229.2 us: 3282 wavefronts a 32-key tile at 64 heads, no bank
 //       conflicts); 128 registers, no spills.
+//   v5: paged_decode_mma_kernel for GQA over 4 and vLLM's layout (H200 model, 64 x 4096, 64/8 heads, d128: bf16
+//       227.8 -> 226.8 us, 98.8% of HBM peak; fp8_e4m3 114.7 us) within 128 registers (8 rows on CUDA cores took
+//       222-255); paged_decode_kernel keeps 4 rows (float32 now within 128); one cp.async pipeline for the three
+//       decode kernels; splits from the decode kernel's occupancy (a grid under 90% of a wave of resident CTAs
+//       splits into >= 2 full waves: 1 x 32768 in 99 splits, not 32: 36.1 -> 36.4 us, 76.9%); the merge reads 4
+//       columns a lane, 4 warps' loads in flight. MLA (bench_mla.py --model): 128 heads no longer split, 246.4 ->
+//       231.0 us; 16 heads now split into 2 waves, 71.8 -> 81.4 us (77.9%; the partials of 12 splits).
 //
 // Uses:      common.cuh, softmax.cuh, tensor_core.cuh (ldmatrix / mma.sync as inline PTX)
 // Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch both kernels, reading
@@ -188,9 +202,20 @@ __device__ __forceinline__ void pa_store_partial(void* tmp, long long i, float x
   else static_cast<float*>(tmp)[i] = x;
 }
 
+// Partials i .. i + 3 (i a multiple of 4): one 16-byte load of float32 (8 of 16-bit) when the address allows it.
 template <class T>
-__device__ __forceinline__ float pa_load_partial(const void* tmp, long long i, int in_out_type) {
-  return in_out_type ? to_float(static_cast<const T*>(tmp)[i]) : static_cast<const float*>(tmp)[i];
+__device__ __forceinline__ float4 pa_load_partial4(const void* tmp, long long i, int in_out_type) {
+  if (in_out_type) {
+    const T* x = static_cast<const T*>(tmp) + i;
+    if (reinterpret_cast<unsigned long long>(x) % 8 == 0) {
+      const Vec<T, 4> v = load_vec<T, 4>(x);
+      return make_float4(to_float(v.v[0]), to_float(v.v[1]), to_float(v.v[2]), to_float(v.v[3]));
+    }
+    return make_float4(to_float(x[0]), to_float(x[1]), to_float(x[2]), to_float(x[3]));
+  }
+  const float* x = static_cast<const float*>(tmp) + i;
+  if (reinterpret_cast<unsigned long long>(x) % 16 == 0) return *reinterpret_cast<const float4*>(x);
+  return make_float4(x[0], x[1], x[2], x[3]);
 }
 
 // The splits of one sequence: ceil(seq_len / kv_split_size) of kv_split_size keys, but never more than
@@ -445,6 +470,10 @@ constexpr int PD_ROWS = 4;       // query rows per paged_decode_kernel CTA (8 wo
 template <class CacheT, int HD>
 struct PdSmem {
   static constexpr int TILE = PD_TILE, PITCH = HD * int(sizeof(CacheT));   // a stage's keys; its rows' bytes
+  static constexpr bool PREFETCH = true;                                  // block ids a tile ahead (pd_pipeline)
+  static constexpr int VT_PITCH = 0;                                      // V in rows, as K
+  static constexpr int UNROLL = sizeof(CacheT) == 4 ? 1 : 0;  // pd_issue's loop (0: the compiler's choice); float32
+                                                              // not unrolled: its copies' addresses would spill
   static constexpr int STAGE = 2 * TILE * PITCH;                          // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
   static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;                // per warp: m, l, o of each row
@@ -474,27 +503,52 @@ __device__ __forceinline__ int pd_block_of(int pos, const PaParams& p) {
   return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
 }
 
-// Issue the copies of tile `tile` (K and V, every 16-byte chunk of a row) into one stage of TILE K rows then TILE
-// V rows, PITCH bytes apart; `ids`: its block ids (ids[b] = block of table entry first_block + b), nullptr for
-// dense rows. Rows past the tile's keys are left as they are (the consumers never read them or zero-fill).
-template <class CacheT, int HD, int TILE, int PITCH>
+// Byte offset of the 16-byte run `run` in V^T row `dim`: an fp8 row holds the 4 runs of a 64-key tile unpadded,
+// XOR-swizzled by dim / 2, so a quarter warp's copies (two rows) and ldmatrix's 8 rows at one run are both
+// conflict-free; 16-bit rows (8 runs) are padded instead.
+template <int X>
+__device__ __forceinline__ int pd_vt_col(int run, int dim) {
+  return X == 16 ? ((run ^ dim >> 1) & 3) * 16 : run * 16;
+}
+
+// Issue the copies of tile `tile` into one stage: TILE K rows (PITCH bytes apart, every 16-byte chunk of a row),
+// then the V tile: TILE V rows like K's (VT_PITCH 0) or, for vLLM's [.., head_size, block_size] values (VT_PITCH:
+// its row pitch), V^T: HD rows of TILE keys, 16 bytes (X keys of one dimension) a copy, from a tile base that is a
+// multiple of X in blocks of whole X-key runs. `ids`: the tile's block ids (ids[b] = block of table entry
+// first_block + b), nullptr for dense rows. Keys past the tile's last are zero-filled (src-size 0: not read), so
+// a 0 weight never meets garbage.
+template <class CacheT, int HD, int TILE, int PITCH, int VT_PITCH, int UNROLL>
 __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
                                          const int* ids, PdTile tile, long long key_row0, int kv_head,
                                          const PaParams& p) {
   constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = HD / X;
-  for (int i = threadIdx.x; i < 2 * TILE * CHUNKS; i += PD_THREADS) {
-    const int is_v = i / (TILE * CHUNKS), j = i / CHUNKS % TILE, c = i % CHUNKS;
-    const bool real = j < tile.n;  // keys past the tile's last are zero-filled: a 0 weight never meets garbage
+  constexpr int COPIES = TILE * CHUNKS * 2;  // K's, then as many for V (HD rows of TILE / X runs for V^T)
+  auto copy = [&](int i) {
+    const bool is_v = i >= TILE * CHUNKS, vt = VT_PITCH > 0 && is_v;
+    const int k = i - is_v * TILE * CHUNKS;
+    const int j = vt ? k % (TILE / X) * X : k / CHUNKS, c = vt ? k / (TILE / X) : k % CHUNKS;  // key, chunk or dim
+    const bool real = j < tile.n;
     const int pos = tile.base + (real ? j : 0);
     const int b = pd_block_of(pos, p);
     const long long block = ids ? ids[b - tile.first_block] : 0;
     const long long off = ids ? pos - b * p.block_size : key_row0 + pos;
-    const CacheT* src = is_v ? value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
-                                   off * p.v_page_stride + c * X
-                             : key_cache + block * p.k_block_stride + kv_head * p.k_head_stride +
-                                   c * p.k_chunk_stride + off * p.k_page_stride;
-    const int bytes = real ? min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT)) : 0;
-    pd_copy16(stage + (is_v * TILE + j) * PITCH + c * 16, bytes ? src : key_cache, bytes);
+    const CacheT* src = !is_v ? key_cache + block * p.k_block_stride + kv_head * p.k_head_stride +
+                                    c * p.k_chunk_stride + off * p.k_page_stride
+                        : vt  ? value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
+                                    c * p.v_dim_stride + off
+                              : value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
+                                    off * p.v_page_stride + c * X;
+    const int bytes = !real ? 0 : vt ? (c < p.head_size ? min(X, tile.n - j) * int(sizeof(CacheT)) : 0)
+                                     : min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
+    unsigned char* dst = vt ? stage + TILE * PITCH + c * VT_PITCH + pd_vt_col<X>(j / X, c)
+                            : stage + (is_v * TILE + j) * PITCH + c * 16;
+    pd_copy16(dst, bytes ? src : key_cache, bytes);
+  };
+  if constexpr (UNROLL > 0) {  // the copies' addresses live at once while q and o are: a register budget
+#pragma unroll UNROLL
+    for (int i = threadIdx.x; i < COPIES; i += PD_THREADS) copy(i);
+  } else {
+    for (int i = threadIdx.x; i < COPIES; i += PD_THREADS) copy(i);
   }
 }
 
@@ -511,25 +565,27 @@ __device__ __forceinline__ void pd_pipeline(unsigned char* smem, int (*ids)[S::T
     if (threadIdx.x < tile.blocks) ids[u][threadIdx.x] = table[tile.first_block + threadIdx.x];
   }
   __syncthreads();
-#pragma unroll 1  // unrolled, the copy loops' addresses stay live and float32 HD 64 spills under 128 registers
+#pragma unroll
   for (int u = 0; u < S::STAGES - 1; ++u) {  // the prologue: STAGES - 1 tiles in flight
     if (u < ntiles) issue(smem + u * S::STAGE, table ? ids[u] : nullptr, pd_tile<S::TILE>(lo, hi, u, p.block_size));
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
-  int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed
+  int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed (S::PREFETCH)
   const PdTile first_next = pd_tile<S::TILE>(lo, hi, S::STAGES - 1, p.block_size);
-  if (table && S::STAGES - 1 < ntiles && threadIdx.x < first_next.blocks)
+  if (S::PREFETCH && table && S::STAGES - 1 < ntiles && threadIdx.x < first_next.blocks)
     next_id = table[first_next.first_block + threadIdx.x];
   for (int t = 0; t < ntiles; ++t) {
     const int next = t + S::STAGES - 1;
     const PdTile tile = pd_tile<S::TILE>(lo, hi, next, p.block_size);
-    if (table && next < ntiles && threadIdx.x < tile.blocks) ids[next % S::STAGES][threadIdx.x] = next_id;
+    if (table && next < ntiles && threadIdx.x < tile.blocks)
+      ids[next % S::STAGES][threadIdx.x] = S::PREFETCH ? next_id : table[tile.first_block + threadIdx.x];
     asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
     __syncthreads();  // everyone's landed (and the ids above are visible); tile t - 1's stage is free again
     if (next < ntiles) issue(smem + next % S::STAGES * S::STAGE, table ? ids[next % S::STAGES] : nullptr, tile);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     const PdTile after = pd_tile<S::TILE>(lo, hi, next + 1, p.block_size);
-    if (table && next + 1 < ntiles && threadIdx.x < after.blocks) next_id = table[after.first_block + threadIdx.x];
+    if (S::PREFETCH && table && next + 1 < ntiles && threadIdx.x < after.blocks)
+      next_id = table[after.first_block + threadIdx.x];
     consume(smem + t % S::STAGES * S::STAGE, lo + t * S::TILE);
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -760,7 +816,8 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
       if (threadIdx.x == 0) rows[r] = row;
     }
     pd_pipeline<S>(pd_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
-      pd_issue<CacheT, HD, S::TILE, S::PITCH>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+      pd_issue<CacheT, HD, S::TILE, S::PITCH, S::VT_PITCH, S::UNROLL>(stage, key_cache, value_cache, tile_ids, tile,
+                                                                       sq.key_row0, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const bool all_see = base >= lo_all && base + PD_TILE - 1 <= hi_all;
       for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS)
@@ -790,67 +847,107 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
 constexpr int PM_TILE = 64;  // keys per stage: 16 per warp, the m16 side of the mma
 constexpr int PM_ROWS = 8;   // query rows per CTA: the n8 side
 
-template <class CacheT, int HD>
+template <class CacheT, int HD, bool VT>
 struct PmSmem {
   static constexpr int TILE = PM_TILE, PITCH = HD * int(sizeof(CacheT)) + 16;  // +16 bytes: ldmatrix conflict-free
-  static constexpr int STAGE = 2 * TILE * PITCH;
+  static constexpr int VT_PITCH = !VT ? 0 : sizeof(CacheT) == 1 ? TILE : TILE * 2 + 16;  // V^T rows (pd_vt_col)
+  static constexpr bool PREFETCH = true;
+  static constexpr int UNROLL = 0;  // pd_issue's loop: the compiler's choice
+  static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);
   static constexpr int STAGES = 3 * STAGE <= 65536 ? 3 : 2;
   static constexpr int MERGE = 4 * PM_ROWS * (HD + 2) * 4;
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
 };
 
-// The dimension of q (and K) at k index 2t of k16 step `ks` in a lane's B fragment b[h]: 16-bit caches are in
-// order; an fp8 ldmatrix row gives 4 consecutive codes a lane, dims 4t .. 4t + 3, used as k 2t, 2t + 1, 2t + 8, 2t + 9.
+// The dimension of q held in column k of the shared q tile: 16-bit caches in order; an fp8 ldmatrix row gives a
+// lane 4 consecutive codes, dims 4t .. 4t + 3, used as k 2t, 2t + 1, 2t + 8, 2t + 9 of a k16 step, so q's columns
+// are permuted the same way (pi(k) = 4 ((k & 7) >> 1) + (k & 1) + 2 (k >> 3) within each 16).
 template <int KV>
-__device__ __forceinline__ int pm_qdim(int ks, int t, int h) {
-  return 16 * ks + (KV == KV_AUTO ? 2 * t + 8 * h : 4 * t + 2 * h);
+__device__ __forceinline__ int pm_qdim(int k) {
+  return KV == KV_AUTO ? k : (k & ~15) + 4 * ((k & 7) >> 1) + (k & 1) + 2 * (k >> 3 & 1);
 }
 
-// The dimension of O^T row g (+ 8 h) of m tile mt: fp8's V fragments pair dims 2g, 2g + 1 of one ldmatrix row.
-template <int KV>
+// The dimension of O^T row g (+ 8 h) of m tile mt: fp8 V rows' fragments pair dims 2g, 2g + 1 of one ldmatrix row.
+template <int KV, bool VT>
 __device__ __forceinline__ int pm_odim(int mt, int g, int h) {
-  return 16 * mt + (KV == KV_AUTO ? g + 8 * h : 2 * g + h);
+  return 16 * mt + (KV == KV_AUTO || VT ? g + 8 * h : 2 * g + h);
 }
 
-// S^T (16 keys x 8 rows) of the warp's keys, whose K rows start at kt.
+// The key (of the warp's 16) of element i of a lane's P^T B fragment (k 2t, 2t + 1, 2t + 8, 2t + 9): fp8 V^T rows
+// give a lane 4 consecutive keys' codes, 4t .. 4t + 3, used as those four k.
+template <int KV, bool VT>
+__device__ __forceinline__ int pm_pkey(int t, int i) {
+  return KV != KV_AUTO && VT ? 4 * t + i : 2 * t + (i & 1) + 8 * (i >> 1);
+}
+
+// S^T (16 keys x 8 rows) of the warp's keys, whose K rows start at kt; Q^T's B fragments by ldmatrix from the q
+// tile qs ([8 rows][HD + 8], columns pm_qdim), two k16 steps a load, so q holds no register across the tiles.
 template <class T, int KV, int HD, int PITCH>
-__device__ __forceinline__ void pm_scores(float (&s)[4], const unsigned char* kt, const unsigned (&qb)[HD / 16][2],
-                                          int lane) {
+__device__ __forceinline__ void pm_scores(float (&s)[4], const unsigned char* kt, const T* qs, int lane) {
   const unsigned char* at = kt + (lane & 15) * PITCH + (lane >> 4) * 16;  // key l % 16, bytes 16 (l / 16) ..
-  if constexpr (KV == KV_AUTO) {
+  const T* qat = qs + (lane & 7) * (HD + 8) + (lane >> 3) * 8;              // row l % 8, columns 8 (l / 8) ..
 #pragma unroll
-    for (int ks = 0; ks < HD / 16; ++ks) {
-      unsigned a[4];
-      tc_ldmatrix_x4(a, at + 32 * ks);
-      tc_mma<T>(s, a, qb[ks][0], qb[ks][1]);
-    }
-  } else {
+  for (int kp = 0; kp < HD / 32; ++kp) {  // k16 steps 2 kp, 2 kp + 1
+    unsigned b[4], r[4];
+    tc_ldmatrix_x4(b, qat + 32 * kp);
+    if constexpr (KV == KV_AUTO) {
 #pragma unroll
-    for (int kp = 0; kp < HD / 32; ++kp) {  // 32 codes a row: two k16 steps
-      unsigned r[4];
+      for (int h = 0; h < 2; ++h) {
+        tc_ldmatrix_x4(r, at + 64 * kp + 32 * h);
+        tc_mma<T>(s, r, b[2 * h], b[2 * h + 1]);
+      }
+    } else {  // 32 codes a row: both steps from one load
       tc_ldmatrix_x4(r, at + 32 * kp);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const unsigned a[4] = {tc_fp8x2<KV, T>(r[2 * h]), tc_fp8x2<KV, T>(r[2 * h + 1]),
                                tc_fp8x2<KV, T>(r[2 * h] >> 16), tc_fp8x2<KV, T>(r[2 * h + 1] >> 16)};
-        tc_mma<T>(s, a, qb[2 * kp + h][0], qb[2 * kp + h][1]);
+        tc_mma<T>(s, a, b[2 * h], b[2 * h + 1]);
       }
     }
   }
 }
 
-// O^T += V^T P^T over the warp's 16 keys (V rows from vt), one mma per part of P, the smallest first.
-template <class T, int KV, int HD, int PITCH, int PARTS>
+// O^T += V^T P^T over warp `warp`'s 16 keys (its V rows from vt, or V^T at vt), one mma per part of P, the
+// smallest first. PV: the product's 16-bit type, q's for 16-bit caches; __half for fp8 ones (every fp8 value is a
+// half, and P in two half parts keeps fp32-P accuracy as in fp16 decode: fewer conversions and mmas than three
+// bf16 parts).
+template <int KV, class T> struct PmPv { typedef __half type; };
+template <class T> struct PmPv<KV_AUTO, T> { typedef T type; };
+
+template <class PV, int KV, int HD, int PITCH, int VT_PITCH, int PARTS>
 __device__ __forceinline__ void pm_values(float (&o)[HD / 16][4], const unsigned char* vt,
-                                          const unsigned (&pf)[PARTS][2], int lane) {
-  if constexpr (KV == KV_AUTO) {  // .trans of key rows (l & 7) + 8 (l >> 4), dims 8 (l >> 3 & 1) ..: a0 .. a3
+                                          const unsigned (&pf)[PARTS][2], int warp, int lane) {
+  if constexpr (VT_PITCH > 0 && KV == KV_AUTO) {  // V^T rows (dims) are A rows: ldmatrix, dim l % 16, keys 8 (l / 16)
+    const unsigned char* at = vt + (lane & 15) * VT_PITCH + 32 * warp + (lane >> 4) * 16;
+#pragma unroll
+    for (int mt = 0; mt < HD / 16; ++mt) {
+      unsigned a[4];
+      tc_ldmatrix_x4(a, at + 16 * mt * VT_PITCH);
+#pragma unroll
+      for (int k = PARTS - 1; k >= 0; --k) tc_mma<PV>(o[mt], a, pf[k][0], pf[k][1]);
+    }
+  } else if constexpr (VT_PITCH > 0) {  // fp8 V^T: dim l of 32, the warp's run; keys 4t .. 4t + 3 a lane (pm_pkey)
+#pragma unroll
+    for (int mp = 0; mp < HD / 32; ++mp) {
+      unsigned r[4];
+      tc_ldmatrix_x4(r, vt + (32 * mp + lane) * VT_PITCH + pd_vt_col<16>(warp, lane));  // (32 mp + l) / 2: l / 2
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned a[4] = {tc_fp8x2<KV, PV>(r[2 * h]), tc_fp8x2<KV, PV>(r[2 * h + 1]),
+                               tc_fp8x2<KV, PV>(r[2 * h] >> 16), tc_fp8x2<KV, PV>(r[2 * h + 1] >> 16)};
+#pragma unroll
+        for (int k = PARTS - 1; k >= 0; --k) tc_mma<PV>(o[2 * mp + h], a, pf[k][0], pf[k][1]);
+      }
+    }
+  } else if constexpr (KV == KV_AUTO) {  // .trans of key rows (l & 7) + 8 (l >> 4), dims 8 (l >> 3 & 1) ..: a0 .. a3
     const unsigned char* at = vt + ((lane & 7) + 8 * (lane >> 4)) * PITCH + (lane >> 3 & 1) * 16;
 #pragma unroll
     for (int mt = 0; mt < HD / 16; ++mt) {
       unsigned a[4];
       tc_ldmatrix_x4_trans(a, at + 32 * mt);
 #pragma unroll
-      for (int k = PARTS - 1; k >= 0; --k) tc_mma<T>(o[mt], a, pf[k][0], pf[k][1]);
+      for (int k = PARTS - 1; k >= 0; --k) tc_mma<PV>(o[mt], a, pf[k][0], pf[k][1]);
     }
   } else {  // .trans of byte pairs: keys 2t, 2t + 1 of dims 2g, 2g + 1, regrouped into one pair a dimension
     const unsigned char* at = vt + ((lane & 7) + 8 * (lane >> 3 & 1)) * PITCH + (lane >> 4) * 16;
@@ -861,12 +958,12 @@ __device__ __forceinline__ void pm_values(float (&o)[HD / 16][4], const unsigned
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const unsigned x = r[2 * h], y = r[2 * h + 1];  // keys 0-7, keys 8-15
-        const unsigned a[4] = {tc_fp8x2<KV, T>((x & 0xffu) | (x >> 8 & 0xff00u)),
-                               tc_fp8x2<KV, T>((x >> 8 & 0xffu) | (x >> 16 & 0xff00u)),
-                               tc_fp8x2<KV, T>((y & 0xffu) | (y >> 8 & 0xff00u)),
-                               tc_fp8x2<KV, T>((y >> 8 & 0xffu) | (y >> 16 & 0xff00u))};
+        const unsigned a[4] = {tc_fp8x2<KV, PV>((x & 0xffu) | (x >> 8 & 0xff00u)),
+                               tc_fp8x2<KV, PV>((x >> 8 & 0xffu) | (x >> 16 & 0xff00u)),
+                               tc_fp8x2<KV, PV>((y & 0xffu) | (y >> 8 & 0xff00u)),
+                               tc_fp8x2<KV, PV>((y >> 8 & 0xffu) | (y >> 16 & 0xff00u))};
 #pragma unroll
-        for (int k = PARTS - 1; k >= 0; --k) tc_mma<T>(o[2 * mp + h], a, pf[k][0], pf[k][1]);
+        for (int k = PARTS - 1; k >= 0; --k) tc_mma<PV>(o[2 * mp + h], a, pf[k][0], pf[k][1]);
       }
     }
   }
@@ -878,7 +975,7 @@ __device__ __forceinline__ int pm_at(int key) { return (key + (key >> 2)) * 8; }
 
 // The end of a paged_decode_mma_kernel row tile: each row's sum over the lanes of its keys, then the warp's
 // (m, l, o with the V scale) of its 8 rows into shared memory in pd_store's layout.
-template <int KV, int HD>
+template <int KV, bool VT, int HD>
 __device__ __forceinline__ void pm_finish(unsigned char* smem, const float (&o)[HD / 16][4], const float (&m)[2],
                                           float (&l)[2], float oscale) {
   const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -893,7 +990,7 @@ __device__ __forceinline__ void pm_finish(unsigned char* smem, const float (&o)[
   for (int mt = 0; mt < HD / 16; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i)  // c0, c1: rows 2t, 2t + 1 of one dimension; c2, c3: of the other
-      wo[(warp * PM_ROWS + 2 * t + (i & 1)) * HD + pm_odim<KV>(mt, g, i >> 1)] = o[mt][i] * oscale;
+      wo[(warp * PM_ROWS + 2 * t + (i & 1)) * HD + pm_odim<KV, VT>(mt, g, i >> 1)] = o[mt][i] * oscale;
   if (g == 0)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -902,7 +999,7 @@ __device__ __forceinline__ void pm_finish(unsigned char* smem, const float (&o)[
     }
 }
 
-template <class T, int KV, int HD>
+template <class T, int KV, int HD, bool VT>
 __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size <= 128]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // as paged_decode_kernel's
@@ -913,12 +1010,14 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {
   typedef typename CacheType<KV, T>::type CacheT;
-  typedef PmSmem<CacheT, HD> S;
-  constexpr int MT = HD / 16, ROWS = PM_ROWS, PARTS = TcHalf<T>::value ? 2 : 3;
+  typedef PmSmem<CacheT, HD, VT> S;
+  typedef typename PmPv<KV, T>::type PV;
+  constexpr int MT = HD / 16, ROWS = PM_ROWS, PARTS = TcHalf<PV>::value ? 2 : 3;
   extern __shared__ __align__(16) unsigned char pd_smem[];
   __shared__ PaRow rows[ROWS];
   __shared__ int ids[S::STAGES][S::TILE + 1];
   __shared__ __align__(8) float pt[4][160];  // each warp's P^T (pm_at)
+  __shared__ __align__(16) T qs[PM_ROWS][HD + 8];  // the tile's q rows (+8: ldmatrix conflict-free)
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
   const int group = p.num_heads / p.num_kv_heads;
@@ -935,28 +1034,24 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
       if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
       if (threadIdx.x == 0) rows[r] = row;
     }
-    unsigned qb[MT][2];  // B fragments of Q^T: row g, the dims pm_qdim gives
-    const PaRow mine = pd_row(g, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
-    const T* qrow = q + mine.token * p.q_token_stride + mine.head * p.q_head_stride;
-#pragma unroll
-    for (int ks = 0; ks < MT; ++ks)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int d = pm_qdim<KV>(ks, t, h);
-        const bool in = g < nrows;
-        qb[ks][h] = tc_pack<T>(in && d < p.head_size ? qrow[d] : from_float<T>(0.0f),
-                               in && d + 1 < p.head_size ? qrow[d + 1] : from_float<T>(0.0f));
-      }
+    for (int i = threadIdx.x; i < ROWS * HD; i += PD_THREADS) {  // the q tile (pd_pipeline's barrier publishes it)
+      const int r = i / HD, k = i % HD, d = pm_qdim<KV>(k), rr = row0 + r;
+      const T* qrow =
+          q + (sq.q_start + rr / group) * p.q_token_stride + (kv_head * group + rr % group) * p.q_head_stride;
+      qs[r][k] = r < nrows && d < p.head_size ? qrow[d] : from_float<T>(0.0f);
+    }
     float o[MT][4], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};  // rows 2t, 2t + 1
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
-    pd_pipeline<S>(pd_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
-      pd_issue<CacheT, HD, S::TILE, S::PITCH>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
+    pd_pipeline<S>(pd_smem, ids, table, first, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
+      pd_issue<CacheT, HD, S::TILE, S::PITCH, S::VT_PITCH, S::UNROLL>(stage, key_cache, value_cache, tile_ids, tile,
+                                                                       sq.key_row0, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const int key0 = base + 16 * warp;
       if (key0 > hi) return;  // the warp's keys are all past the last (warp-uniform)
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // S^T: keys key0 + g (+ 8), rows 2t, 2t + 1
-      pm_scores<T, KV, HD, S::PITCH>(s, stage + 16 * warp * S::PITCH, qb, lane);
+      pm_scores<T, KV, HD, S::PITCH>(s, stage + 16 * warp * S::PITCH, &qs[0][0], lane);
       float alpha[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {  // row 2t + e: the online-softmax step over the warp's 16 keys
@@ -988,15 +1083,16 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
       *reinterpret_cast<float2*>(pw + pm_at(g) + 2 * t) = make_float2(s[0], s[1]);
       *reinterpret_cast<float2*>(pw + pm_at(g + 8) + 2 * t) = make_float2(s[2], s[3]);
       __syncwarp();
-      float2 b0 = make_float2(pw[pm_at(2 * t) + g], pw[pm_at(2 * t + 1) + g]);
-      float2 b1 = make_float2(pw[pm_at(2 * t + 8) + g], pw[pm_at(2 * t + 9) + g]);
+      float2 b0 = make_float2(pw[pm_at(pm_pkey<KV, VT>(t, 0)) + g], pw[pm_at(pm_pkey<KV, VT>(t, 1)) + g]);
+      float2 b1 = make_float2(pw[pm_at(pm_pkey<KV, VT>(t, 2)) + g], pw[pm_at(pm_pkey<KV, VT>(t, 3)) + g]);
       __syncwarp();  // read before the next tile's writes
       unsigned pf[PARTS][2];
 #pragma unroll
-      for (int k = 0; k < PARTS; ++k) { pf[k][0] = tc_part<T>(b0); pf[k][1] = tc_part<T>(b1); }
-      pm_values<T, KV, HD, S::PITCH, PARTS>(o, stage + (S::TILE + 16 * warp) * S::PITCH, pf, lane);
+      for (int k = 0; k < PARTS; ++k) { pf[k][0] = tc_part<PV>(b0); pf[k][1] = tc_part<PV>(b1); }
+      pm_values<PV, KV, HD, S::PITCH, S::VT_PITCH, PARTS>(  // the warp's V rows, or V^T (the warp's 16 columns)
+          o, stage + S::TILE * S::PITCH + (VT ? 0 : 16 * warp * S::PITCH), pf, warp, lane);
     });
-    pm_finish<KV, HD>(pd_smem, o, m, l, KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value,
+    pm_finish<KV, VT, HD>(pd_smem, o, m, l, KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value,
                                                                        p.scale_per_head, kv_head));
     pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,
                           tmp_output, p);
@@ -1028,6 +1124,7 @@ __device__ __forceinline__ int md_at(int row, int col) { return row * PD_TILE + 
 template <class CacheT, int MT>
 struct MdSmem {
   static constexpr int ROWS = 16 * MT, TILE = PD_TILE;
+  static constexpr bool PREFETCH = false;  // block ids read at the barrier: no register held across a tile
   static constexpr int ROW = MD_HD * int(sizeof(CacheT)) + 16;  // a stage's row, bytes (+16: conflict-free)
   static constexpr int TROW = MD_HD * 2 + 16;                   // a 16-bit row, the mma operands' tile
   static constexpr int STAGE = PD_TILE * ROW;
@@ -1324,34 +1421,34 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   const float* l = exp_sums + th * p.max_splits;
   __shared__ SoftmaxMerge mg;
   __shared__ float share[PA_THREADS];  // w_s l_s of a chunk of splits, -1 for an empty one (skipped by selection)
+  __shared__ float part[4][4 * 32];    // each warp's sums over its splits
   if (threadIdx.x == 0) mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf());
   __syncthreads();
-  constexpr int DIMS = 4;  // output columns per thread: up to 4 * PA_THREADS = MLA's 512
-  float acc[DIMS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Lane l takes columns 128 blockIdx.z + 4 l .. + 3 (one vector load), warp w the splits w, w + 4, ...: the 4
+  // warps' loads in flight together. v_head_size is a multiple of 8, so a lane's 4 columns are all in or out.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = blockIdx.z * 128 + 4 * lane;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int s0 = 0; s0 < num_splits; s0 += PA_THREADS) {  // every split's weight once, then coalesced partial rows
     const int s = s0 + threadIdx.x;
     share[threadIdx.x] = s < num_splits && l[s] > 0.0f ? softmax_share(m[s], l[s], mg.mx) : -1.0f;
     __syncthreads();
-    for (int i = 0; i < PA_THREADS && s0 + i < num_splits; ++i) {
+    for (int i = warp; i < PA_THREADS && s0 + i < num_splits; i += 4) {
       const float w = share[i];
-      if (w < 0.0f) continue;
-#pragma unroll
-      for (int c = 0; c < DIMS; ++c) {
-        const int d = threadIdx.x + c * PA_THREADS;
-        if (d < p.v_head_size)
-          acc[c] += w * pa_load_partial<T>(tmp_output, (th * p.max_splits + s0 + i) * p.v_head_size + d,
+      if (w < 0.0f || d0 >= p.v_head_size) continue;
+      const float4 x = pa_load_partial4<T>(tmp_output, (th * p.max_splits + s0 + i) * p.v_head_size + d0,
                                            p.partials_in_out_type);
-      }
+      acc[0] += w * x.x; acc[1] += w * x.y; acc[2] += w * x.z; acc[3] += w * x.w;
     }
     __syncthreads();
   }
 #pragma unroll
-  for (int c = 0; c < DIMS; ++c) {
-    const int d = threadIdx.x + c * PA_THREADS;
-    if (d < p.v_head_size)
-      out[token * p.out_token_stride + head * p.out_head_stride + d] = from_float<T>(acc[c] * mg.inv);
-  }
-  if (lse && threadIdx.x == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
+  for (int e = 0; e < 4; ++e) part[warp][4 * lane + e] = acc[e];
+  __syncthreads();
+  const int c = threadIdx.x, d = blockIdx.z * 128 + c;  // a column a thread: the warps' sums in a fixed order
+  if (d < p.v_head_size)
+    out[token * p.out_token_stride + head * p.out_head_stride + d] =
+        from_float<T>((((part[0][c] + part[1][c]) + part[2][c]) + part[3][c]) * mg.inv);
+  if (lse && threadIdx.x == 0 && blockIdx.z == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
 }
 
 }  // namespace cupaged

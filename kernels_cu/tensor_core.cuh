@@ -92,10 +92,16 @@ __device__ __forceinline__ unsigned tc_part(float2& x) {
 // Two fp8 codes (the low 16 bits) as a fragment register of two T: exact (every fp8 value is a T).
 template <int KV, class T>
 __device__ __forceinline__ unsigned tc_fp8x2(unsigned codes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((unsigned short)codes, KV == KV_E4M3 ? __NV_E4M3 : __NV_E5M2);
-  if constexpr (TcHalf<T>::value) return unsigned(h.x) | unsigned(h.y) << 16;
-  const float2 f = __half22float2(__half2(h));
-  return tc_pack<T>(from_float<T>(f.x), from_float<T>(f.y));
+  unsigned bits;  // two halves
+  if constexpr (KV == KV_E5M2) {  // an e5m2 code is the top byte of its half
+    bits = (codes & 0xffu) << 8 | (codes & 0xff00u) << 16;
+  } else {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((unsigned short)codes, __NV_E4M3);
+    bits = unsigned(h.x) | unsigned(h.y) << 16;
+  }
+  if constexpr (TcHalf<T>::value) return bits;
+  const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(*reinterpret_cast<const __half2*>(&bits)));
+  return *reinterpret_cast<const unsigned*>(&b);  // one cvt.rn.bf16x2.f32
 }
 
 }  // namespace cupaged

@@ -102,7 +102,7 @@ def main(argv=None):
     if cp is None:
         for s in SIM:
             run = decode("sim", s, block=16)
-            table.append(_bench.summarize(_model.label(s), "v4", _bench.time_cpu(run), cost(s, 16).min_bytes, None))
+            table.append(_bench.summarize(_model.label(s), "v5", _bench.time_cpu(run), cost(s, 16).min_bytes, None))
         _bench.print_table(table, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
         return
     device, peak = _bench.peak_bandwidth_gbps(cp)
@@ -112,7 +112,7 @@ def main(argv=None):
             ms = _bench.time_gpu(cp, run)
         r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device)
         rows.append(r)
-        table.append(_bench.summarize(_model.label(s), "v4", ms, c.min_bytes, peak) + (f"{r['tflops']:.1f}",))
+        table.append(_bench.summarize(_model.label(s), "v5", ms, c.min_bytes, peak) + (f"{r['tflops']:.1f}",))
     _bench.print_table(table, f"{device} (peak {peak or '?'} GB/s)", extra=("TFLOP/s",))
     _model.finish_measured("mla", rows, args.json, device=device)
 

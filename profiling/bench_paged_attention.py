@@ -149,7 +149,7 @@ def measured_rows(cp, quick):
         r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device)
         r["pct_of_copy_bw"] = 100 * r["gbps"] / copy_gbps  # against this device's measured copy
         rows.append(r)
-        table.append(_bench.summarize(label, "v4", ms, c.min_bytes, peak) +
+        table.append(_bench.summarize(label, "v5", ms, c.min_bytes, peak) +
                      (f"{r['pct_of_copy_bw']:.0f}%", f"{r['tflops']:.1f}"))
     _bench.print_table(table, f"{device}: spec {peak or '?'} GB/s, measured copy {copy_gbps:.0f} GB/s",
                        extra=("% of copy", "TFLOP/s"))
@@ -174,7 +174,7 @@ def main(argv=None):
             run = setup("sim", s["batch"], s["context"], s["q_len"], 4 if s["q_len"] == 1 else 2, s["kv_dtype"],
                         kv_heads=2, head=64)
             with _bench.nvtx_range(_model.label(s)):
-                table.append(_bench.summarize(_model.label(s), "v4", _bench.time_cpu(run), cost(s).min_bytes, None))
+                table.append(_bench.summarize(_model.label(s), "v5", _bench.time_cpu(run), cost(s).min_bytes, None))
         _bench.print_table(table, "SIM SMOKE RUN (no GPU): CPU timings of the simulator, not GPU timings")
 
 

@@ -95,3 +95,22 @@ def test_varlen_attention_understated_max_seqlen_q(backend):
     for hint in ("max_seqlen_q", "max_seqlen_k"):
         with pytest.raises(ValueError, match=f"{hint}=4 understates"):
             cupaged.varlen_attention(*args, **{hint: 4}, validate=True)
+
+
+def test_mla_query_runs_longer_than_the_hint(backend):
+    """An MLA latent cache through run_attention with runs of 2 and 1 queries under max_query_len=1: the
+    tensor-core MLA decode kernel takes single queries only, so the longer run stays paged_attention_kernel's.
+    Before, the hint sent it to mla_decode_kernel, which computed its first token at the last position and
+    left its second unwritten."""
+    rng = np.random.default_rng(4)
+    cache, table, _ = latent_pool(rng, [300, 40], 16, F16, "auto")
+    q = rng.standard_normal((3, 16, 576)).astype(F16)
+    qsl, lens = np.array([0, 2, 3], np.int32), np.array([300, 40], np.int32)
+    kv = cupaged.KvView.mla(backend.asarray(cache), 512)
+    dev = [backend.asarray(x) for x in (q, table, lens, qsl)]
+    plan = cupaged.plan_attention(dev[0], kv, dev[1], dev[2], dev[3], max_query_len=1)
+    out = backend.asarray(np.full((3, 16, 512), np.nan, F16))
+    cupaged.run_attention(plan, dev[0], kv, out, None, dev[1], dev[2], dev[3], scale=0.05)
+    # token i of a run of q_len sits at position seq_len - q_len + i: a decode over that prefix
+    ref, _ = reference.mla_decode(q, cache, table[[0, 0, 1]], np.array([299, 300, 40], np.int32), scale=0.05)
+    assert_close(backend.to_numpy(out), ref, F16)

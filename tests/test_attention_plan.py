@@ -4,13 +4,16 @@ and its K/V must agree, and a failed attention call writes nothing."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 
 import cupaged
 from cupaged import reference
-from cupaged._attention_kernels import decode_smem_bytes
+from cupaged._attention_kernels import decode_smem_bytes, resident_ctas
+from cupaged._backend import NOMINAL_SM_SHARED, NOMINAL_SMS
+from cupaged.attention import MIN_SPLIT
 from cupaged.testing import assert_close
 from tests.test_paged_attention import C, build
 
@@ -167,3 +170,36 @@ def test_memoized_views_and_plans_tell_layouts_apart():
              for m, s in ((None, 8), (16, 8), (None, 0))]
     assert [p.max_splits for p in plans] == [4, 2, 1] and plans[0] is cupaged.plan_attention(
         q, aligned, tables, lens, kv_split_size=8)
+
+
+def _decode_waves(plan) -> float:
+    """The plan's decode grid in waves of the decode kernel's resident CTAs on the sim's nominal H200."""
+    per_sm = resident_ctas(plan.decode_threads, plan.decode_shared_mem, NOMINAL_SM_SHARED)
+    return math.prod(plan.decode_grid) / (NOMINAL_SMS * per_sm)
+
+
+@pytest.mark.parametrize("heads, kv_cache_dtype", [((32, 8), "auto"), ((64, 8), "auto"), ((64, 8), "fp8")])
+def test_splits_come_from_the_decode_kernels_occupancy(heads, kv_cache_dtype):
+    """kv_split_size=None: a grid under a wave of resident CTAs splits its long contexts into >= 2 full waves
+    (or splits of MIN_SPLIT keys) whose last is >= 90% full; one that fills a wave (64 x 4096) is not split, nor a
+    short context."""
+    q1, q64 = (np.empty((n, heads[0], 128), F16) for n in (1, 64))
+    cache = np.empty((1, 16, heads[1], 128), np.uint8 if kv_cache_dtype == "fp8" else F16)
+    kv = cupaged.KvView.paged(cache, cache, q1, kv_cache_dtype)
+    long = cupaged.plan_attention(q1, kv, np.empty((1, 2048), np.int32), np.empty(1, np.int32), max_seq_len=32768)
+    waves = _decode_waves(long)
+    assert long.max_splits > 1 and (waves >= 2 or long.kv_split_size == MIN_SPLIT), waves  # splits of >= 256 keys
+    assert waves / math.ceil(waves) >= 0.9, waves
+    batch = cupaged.plan_attention(q64, kv, np.empty((64, 256), np.int32), np.empty(64, np.int32), max_seq_len=4096)
+    assert batch.max_splits == 1 and _decode_waves(batch) >= 0.9
+    short = cupaged.plan_attention(q1, kv, np.empty((1, 16), np.int32), np.empty(1, np.int32), max_seq_len=256)
+    assert short.max_splits == 1
+
+
+def test_mla_decode_filling_a_wave_is_not_split():
+    """128-head MLA decode of 64 sequences: 128 CTAs of 512 threads, one resident an SM, fill 97% of the
+    132 SMs: a split would only add the merge (15 us on the H200 model at 3 splits)."""
+    q = np.empty((64, 128, 576), F16)
+    kv = cupaged.KvView.mla(np.empty((1, 64, 576), F16), 512)
+    plan = cupaged.plan_attention(q, kv, np.empty((64, 64), np.int32), np.empty(64, np.int32), max_seq_len=4096)
+    assert plan.max_splits == 1 and math.prod(plan.decode_grid) == 128

@@ -19,11 +19,12 @@ def _probe_source() -> tuple:
     lines = [f"  out[{1 + i}] = reinterpret_cast<const char*>(&p.{f}) - base;" for i, f in enumerate(fields)]
     lines += [f"  out[{1 + len(fields) + i}] = cupaged::PaSmem<{hd}, {vhd}, {'true' if s else 'false'}>::FLOATS;"
               for i, (hd, vhd, s) in enumerate(smem)]
-    decode = [("PdSmem", c, size, hd) for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
+    decode = [("PdSmem", c, size, hd, "") for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
               for hd in attention.HEAD_BUCKETS]
-    decode += [("PmSmem", c, size, hd) for c, size in (("unsigned char", 1), ("__half", 2)) for hd in kernels.MMA_BUCKETS]
-    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::{s}<{c}, {hd}>::BYTES;"
-              for i, (s, c, _, hd) in enumerate(decode)]
+    decode += [("PmSmem", c, size, hd, vt) for c, size in (("unsigned char", 1), ("__half", 2))
+               for hd in kernels.MMA_BUCKETS for vt in (", false", ", true")]
+    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::{s}<{c}, {hd}{vt}>::BYTES;"
+              for i, (s, c, _, hd, vt) in enumerate(decode)]
     mla = [(c, size, mt) for c, size in (("unsigned char", 1), ("__half", 2)) for mt in kernels.MLA_TILES]
     at = 1 + len(fields) + len(smem) + len(decode)
     lines += [f"  out[{at + i}] = cupaged::MdSmem<{c}, {mt}>::BYTES;" for i, (c, _, mt) in enumerate(mla)]
@@ -42,8 +43,9 @@ def test_params_struct_and_shared_memory_match_the_kernel():
     assert out[1:1 + len(fields)].tolist() == [dtype.fields[f][1] for f in fields]
     n = 1 + len(fields) + len(smem)
     assert [4 * int(x) for x in out[1 + len(fields):n]] == [kernels.smem_bytes(*s) for s in smem]
-    sizes = {"PdSmem": kernels.decode_smem_bytes, "PmSmem": kernels.decode_mma_smem_bytes}
-    assert out[n:n + len(decode)].tolist() == [sizes[s](size, hd) for s, _, size, hd in decode]
+    want = [kernels.decode_smem_bytes(size, hd) if s == "PdSmem"
+            else kernels.decode_mma_smem_bytes(size, hd, "true" in vt) for s, _, size, hd, vt in decode]
+    assert out[n:n + len(decode)].tolist() == want
     assert out[n + len(decode):].tolist() == [kernels.mla_smem_bytes(size, mt) for _, size, mt in mla]
 
 

@@ -108,6 +108,13 @@ COVERING = [
     C(heads=(40, 40), head_size=64, block_size=16, seqs=((1, 40), (7, 30))),
     C(heads=(64, 8), head_size=128, block_size=32, seqs=((1, 70), (4, 33)), dtype=BF16),
     C(heads=(64, 8), head_size=64, block_size=16, seqs=((1, 100),) * 3),
+    # GQA groups over 4 (paged_decode_mma_kernel): every mask, fp8 with per-head scales, a head size that is
+    # not a multiple of 16, splits, and groups of 6 whose row tiles of 8 span two tokens
+    C(heads=(8, 1), seqs=SHAPE_DECODE, window=64, sinks=True, alibi=True, softcap=50.0, dtype=BF16),
+    C(heads=(8, 1), kv_cache_dtype="fp8_e4m3", per_head_scales=True, seqs=SHAPE_DECODE, layout="HND"),
+    C(heads=(16, 2), kv_cache_dtype="fp8_e5m2", dtype=BF16, head_size=72, block_size=5, seqs=SMALL),
+    C(heads=(8, 1), kv_split_size=100, sinks=True, seqs=SHAPE_DECODE),
+    C(heads=(12, 2), head_size=64, block_size=48, seqs=((2, 50), (3, 40), (1, 97)), alibi=True),
     # head sizes and block sizes
     *(C(heads=(4, 2), head_size=hs, block_size=bs, seqs=SHAPE_DECODE if hs <= 80 else SMALL)
       for hs, bs in ((32, 1), (64, 5), (80, 16), (256, 32), (256, 5))),
@@ -285,12 +292,14 @@ def test_validate_checks_contents(backend, monkeypatch):
         cupaged.paged_attention(**args)
 
 
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa4", "gqa8"])
 @pytest.mark.parametrize("order", ["reverse", "random:11"])
-def test_no_race_bitwise_same_in_every_sim_order(monkeypatch, order):
-    """Block and thread scheduling order cannot change a result (a race would)."""
+def test_no_race_bitwise_same_in_every_sim_order(monkeypatch, order, heads):
+    """Block and thread scheduling order cannot change a result (a race would): paged_decode_kernel (GQA 4)
+    and paged_decode_mma_kernel (GQA 8) beside paged_attention_kernel (the 7-token run)."""
     from tests.conftest import Backend
 
-    case = C(seqs=((1, 300), (7, 40)), heads=(8, 2), head_size=64, kv_split_size=64, sinks=True, window=200)
+    case = C(seqs=((1, 300), (7, 40)), heads=heads, head_size=64, kv_split_size=64, sinks=True, window=200)
     natural = run(Backend("sim"), case)[:2]
     monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
     other = run(Backend("sim"), case)[:2]

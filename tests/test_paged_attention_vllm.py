@@ -40,6 +40,9 @@ CASES = [
     Case(seqs=SHAPE_DECODE, head_size=256, block_size=32, dtype=BF16, heads=(4, 1)),
     Case(seqs=SHAPE_DECODE, head_size=128, block_size=16, dtype=F16, kv_cache_dtype="fp8"),
     Case(seqs=SHAPE_DECODE, head_size=96, block_size=8, dtype=BF16, kv_cache_dtype="fp8_e5m2", alibi=True),
+    # paged_decode_mma_kernel's V^T tiles: fp8 codes of 16 keys a run (block 32), GQA 8, a head size under 64
+    Case(seqs=SHAPE_DECODE, head_size=48, block_size=32, dtype=BF16, kv_cache_dtype="fp8_e4m3", heads=(8, 1)),
+    Case(seqs=((1, 9), (1, 700), (1, 33)), head_size=128, block_size=8, dtype=F16, heads=(8, 2)),
 ]
 
 
