@@ -266,3 +266,28 @@ def test_mla_decode_scale_is_required(backend):
     args = [backend.asarray(a) for a in (np.zeros((1, 16, 576), np.float16), cache, table, np.array([10], np.int32))]
     with pytest.raises(TypeError, match="mla_decode needs scale=.*qk_nope_head_dim"):
         cupaged.mla_decode(*args)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, split", [("auto", None), ("fp8", 64)])
+def test_mla_query_runs_through_run_attention(backend, kv_cache_dtype, split):
+    """MTP / speculative decoding over the latent cache (run_attention with query_start_loc): single queries take
+    mla_decode_kernel, longer runs paged_attention_kernel, each query at its own causal position. Query i of a run
+    of q_len sits at seq_len - q_len + i: the reference is a decode over that prefix."""
+    rng = np.random.default_rng(6)
+    seq_lens = np.array([300, 40, 129, 9], np.int32)
+    q_lens = [2, 1, 4, 6]
+    cache, table, scale = latent_pool(rng, seq_lens.tolist(), 16, ml_dtypes.bfloat16, kv_cache_dtype)
+    q = rng.standard_normal((sum(q_lens), 16, RANK + ROPE)).astype(ml_dtypes.bfloat16)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv = cupaged.KvView.mla(backend.asarray(cache), RANK, kv_cache_dtype)
+    dev = [backend.asarray(x) for x in (q, table, seq_lens, qsl)]
+    plan = cupaged.plan_attention(dev[0], kv, dev[1], dev[2], dev[3], kv_split_size=split)
+    assert "mla_decode_kernel" in plan.decode_kernel and plan.decode_max_q == 1 and plan.kernel is not None
+    out = backend.asarray(np.full((len(q), 16, RANK), np.nan, ml_dtypes.bfloat16))
+    cupaged.run_attention(plan, dev[0], kv, out, None, dev[1], dev[2], dev[3], scale=0.05, k_scale=scale,
+                          v_scale=scale)  # the value is the latent row: one scale
+    seq = np.repeat(np.arange(4), q_lens)
+    prefix = np.concatenate([np.arange(n - ql + 1, n + 1) for n, ql in zip(seq_lens, q_lens)]).astype(np.int32)
+    ref, _ = reference.mla_decode(q, cache, table[seq], prefix, scale=0.05, kv_cache_dtype=kv_cache_dtype,
+                                  k_scale=scale)
+    assert_close(backend.to_numpy(out), ref, tolerance(ml_dtypes.bfloat16, kv_cache_dtype))
