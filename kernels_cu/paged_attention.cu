@@ -1421,7 +1421,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   const float* l = exp_sums + th * p.max_splits;
   __shared__ SoftmaxMerge mg;
   __shared__ float share[PA_THREADS];  // w_s l_s of a chunk of splits, -1 for an empty one (skipped by selection)
-  __shared__ float part[4][4 * 32];    // each warp's sums over its splits
+  __shared__ __align__(16) float part[4][4 * 32];  // each warp's sums over its splits
   if (threadIdx.x == 0) mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf());
   __syncthreads();
   // Lane l takes columns 128 blockIdx.z + 4 l .. + 3 (one vector load), warp w the splits w, w + 4, ...: the 4
@@ -1441,8 +1441,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     }
     __syncthreads();
   }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) part[warp][4 * lane + e] = acc[e];
+  *reinterpret_cast<float4*>(&part[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);  // conflict-free
   __syncthreads();
   const int c = threadIdx.x, d = blockIdx.z * 128 + c;  // a column a thread: the warps' sums in a fixed order
   if (d < p.v_head_size)
