@@ -831,19 +831,22 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
   }
 }
 
-// ---- The tensor-core decode kernel: 8 query rows a CTA, for GQA groups over 4, 16-bit q, head sizes up to 128
-// (the plan sends float32, 256 and groups of <= 4 to paged_decode_kernel: a choice from the model's shape, never
-// the batch's, so a sequence takes the same kernel in every batch). The GEMMs
-// are transposed so the 8 rows are the n8 side of mma.sync m16n8k16 and 16 keys its m side: warp w takes keys
-// 16 w .. 16 w + 15 of every 64-key stage, with its own online softmax, and
-//   S^T = K Q^T: A = K rows by ldmatrix (fp8: the byte pairs converted in registers, with q's dimensions permuted
-//     to match), B = q, in registers for the whole tile (HD / 8 a lane);
-//   O^T += V^T P^T: A = V by ldmatrix.trans (fp8: codes of two keys regrouped by a byte permute), B = P^T, which
+// ---- The tensor-core decode kernel: 8 query rows a CTA, 16-bit q, head sizes up to 128, for GQA groups over 4
+// or any group over vLLM's layout (VT); the plan sends float32, head size 256 and the other groups of <= 4 to
+// paged_decode_kernel: a choice from the model's shape and cache, never the batch's, so a sequence takes the
+// same kernel in every batch. The GEMMs are transposed so the 8 rows are the n8 side of mma.sync m16n8k16 and
+// 16 keys its m side: warp w takes keys 16 w .. 16 w + 15 of every 64-key stage, with its own online softmax:
+//   S^T = K Q^T: A = K rows by ldmatrix (fp8: 4 codes a lane converted in registers, q's columns permuted to
+//     match), B = Q^T by ldmatrix from the shared q tile (no register held across the tiles);
+//   O^T += V^T P^T: A = V rows by ldmatrix.trans (fp8: byte pairs of two keys regrouped) or, for vLLM's values,
+//     the V^T tile by plain ldmatrix (fp8: 4 keys' codes a lane, P^T's keys permuted to match); B = P^T, which
 //     a lane gets from the S^T fragments through a per-warp shared array (a transposition), split in registers
-//     into 16-bit parts (fp16: 2, bf16: 3) so P V keeps fp32-P accuracy; O^T is HD / 4 fp32 a lane.
+//     into 16-bit parts (fp16 and fp8 caches: 2 half parts, bf16: 3) so P V keeps fp32-P accuracy; O^T is
+//     HD / 4 fp32 a lane.
 // A lane's S^T and O^T fragments hold the same two rows (2t, 2t + 1): the softmax needs no shuffle beyond each
-// row's max over the 8 lanes of its keys. Every key a stage holds is visible to some row of the tile or
-// zero-filled past the last, so a row's 0 weight only ever meets real values.
+// row's max over the 8 lanes of its keys. Every key a stage holds is visible to some row of the tile (or, for
+// V^T, a key of the same block before the first: real data) or zero-filled past the last, so a row's 0 weight
+// only ever meets real values.
 constexpr int PM_TILE = 64;  // keys per stage: 16 per warp, the m16 side of the mma
 constexpr int PM_ROWS = 8;   // query rows per CTA: the n8 side
 

@@ -1,6 +1,7 @@
 // tensor_core.cuh: the Ampere tensor-core instructions as inline PTX (sm_80+; the sim emulates each one
 // with the ISA's exact fragment layouts): ldmatrix (plain and .trans) and mma.sync m16n8k16 with fp32
-// accumulators, for __half and __nv_bfloat16 operands.
+// accumulators, for __half and __nv_bfloat16 operands; tc_part (P in 16-bit parts) and tc_fp8x2 (fp8 codes to a
+// fragment register).
 //
 // Fragments (PTX ISA, "Matrix fragments for mma.m16n8k16"; g = lane / 4, t = lane % 4), each register two
 // 16-bit elements, the lower-numbered column in the low half:
@@ -14,10 +15,10 @@
 // ldmatrix row addresses are 16-byte aligned; 8 rows read at one column are conflict-free when the row
 // stride in 4-byte words is 4 or 20 mod 32 (the callers pad their rows).
 //
-// Used by:   paged_attention.cu (mla_decode_kernel)
-// Test:      pytest tests/test_mla.py tests/test_decode_accuracy.py (through that kernel); the instructions'
-//            emulation: tests/test_sim_ptx_mma.py, tests/test_sim_gemm.py
-// Benchmark: python profiling/bench_mla.py
+// Used by:   paged_attention.cu (mla_decode_kernel, paged_decode_mma_kernel)
+// Test:      pytest tests/test_mla.py tests/test_decode_accuracy.py tests/test_paged_attention.py (through those
+//            kernels); the instructions' emulation: tests/test_sim_ptx_mma.py, tests/test_sim_gemm.py
+// Benchmark: python profiling/bench_mla.py; python profiling/bench_paged_attention.py
 #pragma once
 #include "common.cuh"
 
