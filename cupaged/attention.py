@@ -55,17 +55,12 @@ def _packed_params(values: tuple) -> np.ndarray:
 MIN_SPLIT = 256  # keys: contexts up to this are never split
 
 
-def choose_split(xp, ctas: int, max_kv: int, per_sm: int = 2) -> int:
-    """kv_split_size=None for a grid of ``ctas`` CTAs of which ``per_sm`` fit on an SM (0 = no split).
-    Chosen from the batch's shape, so only a fixed kv_split_size is batch-invariant."""
-    return split_for(sm_count(xp), per_sm, ctas, max_kv)
-
-
 def split_for(sms: int, per_sm: int, ctas: int, max_kv: int) -> int:
-    """A grid that fills >= 90% of a wave (SMs x resident CTAs) keeps the SMs at their occupancy and is not split
-    (a split would only add the merge's traffic and launch). A smaller one splits contexts longer than MIN_SPLIT
-    into >= 2 full waves: the fewest splits whose last wave is >= 90% full (a thin last wave is a latency-bound
-    tail), else the fullest within twice the fewest."""
+    """kv_split_size=None for a grid of ``ctas`` CTAs of which ``per_sm`` fit on an SM (0 = no split), chosen from
+    the batch's shape, so only a fixed kv_split_size is batch-invariant. A grid that fills >= 90% of a wave (SMs x
+    resident CTAs) keeps the SMs at their occupancy and is not split (a split would only add the merge's traffic
+    and launch). A smaller one splits contexts longer than MIN_SPLIT into >= 2 full waves: the fewest splits whose
+    last wave is >= 90% full (a thin last wave is a latency-bound tail), else the fullest within twice the fewest."""
     wave = sms * max(per_sm, 1)
     if ctas >= 0.9 * wave or max_kv <= MIN_SPLIT:
         return 0
