@@ -108,10 +108,12 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     # takes them all (an understated hint stays correct), else the longer ones take paged_attention_kernel.
     route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, decode, hd, cache_itemsize, dense,
                          decode_layout)
+    sms, sm_shared = device
+    if route and route[4] + 1024 > sm_shared:  # a decode CTA this SM cannot hold (float32 head 256 on sm_86 / 89)
+        route = None
     decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
-    sms, sm_shared = device
     if decode_max_q == ALL_ROWS:  # the decode kernel alone: its occupancy (<= 128 registers, its shared memory)
         ctas, per_sm = num_seqs * num_kv_heads * decode_tiles, resident_ctas(decode_threads, decode_smem, sm_shared)
     else:  # paged_attention_kernel takes the long runs: ~2 CTAs an SM

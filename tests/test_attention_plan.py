@@ -203,3 +203,19 @@ def test_mla_decode_filling_a_wave_is_not_split():
     kv = cupaged.KvView.mla(np.empty((1, 64, 576), F16), 512)
     plan = cupaged.plan_attention(q, kv, np.empty((64, 64), np.int32), np.empty(64, np.int32), max_seq_len=4096)
     assert plan.max_splits == 1 and math.prod(plan.decode_grid) == 128
+
+
+def test_a_decode_kernel_the_sm_cannot_hold_is_not_planned(monkeypatch):
+    """float32 head-256 decode stages take 128 KB: on a GPU with 100 KB of shared memory an SM (sm_86 / sm_89) the
+    plan leaves those rows to paged_attention_kernel (82 KB) instead of a decode kernel that cannot launch; the
+    tensor-core and 16-bit decode kernels (<= 70 KB) still fit. Before, the plan chose it and check_fits refused."""
+    from cupaged import attention
+
+    monkeypatch.setattr(attention, "sm_shared_bytes", lambda xp: 100 * 1024)
+    for dtype, head, decoded in ((np.float32, 256, False), (np.float32, 128, True), (F16, 128, True)):
+        q = np.empty((2, 16, head), dtype)
+        cache = np.empty((1, 16, 2, head), dtype)
+        plan = cupaged.plan_attention(q, cupaged.KvView.paged(cache, cache, q), np.empty((2, 4), np.int32),
+                                      np.empty(2, np.int32))
+        assert (plan.decode_kernel is not None) == decoded, (dtype, head)
+        assert all(need + 1024 <= 100 * 1024 for *_, need in plan.main_launches)
