@@ -53,8 +53,8 @@ FAMILY = KernelFamily("paged_attention", [
 def kernel_constants() -> dict[str, int]:
     """PA_*, PD_* (the decode kernels'), PM_* (the tensor-core decode kernel's) and MD_* (MLA decode's) as
     kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PD_THREADS", "PD_TILE", "PD_MAX_Q",
-                     "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD")
+    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE",
+                     "PD_MAX_Q", "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD")
 
 
 def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
@@ -95,9 +95,10 @@ def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
 
 
 def resident_ctas(threads: int, shared_bytes: int, sm_shared: int) -> int:
-    """CTAs of a decode kernel resident on one SM: each is held to <= 128 registers a thread by its
-    __launch_bounds__ (the compile gate checks), and the driver reserves 1 KB of shared memory per CTA."""
-    return max(1, min(65536 // (128 * threads), 2048 // threads, sm_shared // (shared_bytes + 1024)))
+    """CTAs of a decode kernel resident on one SM (0: not even one fits): each is held to <= 128 registers a
+    thread by its __launch_bounds__ (the compile gate checks), and the driver reserves 1 KB of shared memory
+    per CTA."""
+    return min(65536 // (128 * threads), 2048 // threads, sm_shared // (shared_bytes + 1024))
 
 
 def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, one_query, hd, cache_itemsize, dense, layout):

@@ -109,8 +109,8 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, decode, hd, cache_itemsize, dense,
                          decode_layout)
     sms, sm_shared = device
-    if route and route[4] + 1024 > sm_shared:  # a decode CTA this SM cannot hold (float32 head 256 on sm_86 / 89)
-        route = None
+    if route and not resident_ctas(route[3], route[4], sm_shared):  # a CTA the SM cannot hold (float32 head 256 on
+        route = None                                                 # sm_86 / 89's 100 KB): paged_attention_kernel
     decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
     tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
@@ -239,7 +239,8 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
                 _kernel(plan, name, shared_mem, xp)(grid, (threads,), args, shared_mem=shared_mem)
         if plan.reduce_kernel is not None:  # sequences with one split were finished above
             reduce = FAMILY.function(plan.reduce_kernel, xp)
-            reduce((plan.num_tokens, plan.num_heads, -(-plan.v_head_size // 128)), (plan.threads,),
+            reduce((plan.num_tokens, plan.num_heads, -(-plan.v_head_size // kernel_constants()["PA_MERGE_COLS"])),
+                   (plan.threads,),
                    (out, lse, max_logits, exp_sums, tmp_output, seq_lens, np.int32(block_tables is None),
                     query_start_loc, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
     return out

@@ -96,6 +96,7 @@
 namespace cupaged {
 
 constexpr int PA_THREADS = 128;  // 4 warps
+constexpr int PA_MERGE_COLS = 128;  // the reduce kernel's output columns a CTA: 4 a lane
 constexpr int PA_ROWS = 16;      // query rows (token, head) per CTA
 constexpr int PA_TILE = 32;      // keys per shared-memory tile (one per lane in the softmax)
 
@@ -486,6 +487,12 @@ __device__ __forceinline__ void pd_copy16(void* dst, const void* src, int bytes)
                "l"(src), "r"(bytes) : "memory");
 }
 
+// A decode kernel's K or V scale for kv head `kv_head`: 1 for a cache of q's own type (scales ignored).
+template <int KV>
+__device__ __forceinline__ float pd_scale(const float* ptr, float value, int kv_head, const PaParams& p) {
+  return KV == KV_AUTO ? 1.0f : read_scale(ptr, value, p.scale_per_head, kv_head);
+}
+
 // Tile u of a CTA's keys lo..hi: its first key, its key count and the block-table entries it spans.
 struct PdTile {
   int base, n, first_block, blocks;
@@ -790,9 +797,8 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
   const int group = p.num_heads / p.num_kv_heads;
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_attention_kernel's
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
-  const float qscale =
-      p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
-  const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
+  const float qscale = p.scale * pd_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
+  const float oscale = pd_scale<KV>(v_scale, p.v_scale_value, kv_head, p);
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {
     const int nrows = min(ROWS, sq.q_len * group - row0);
@@ -1026,8 +1032,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
   const int group = p.num_heads / p.num_kv_heads;
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const float qscale =
-      p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head));
+  const float qscale = p.scale * pd_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {
     const int nrows = min(ROWS, sq.q_len * group - row0);
@@ -1095,8 +1100,8 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
       pm_values<PV, KV, HD, S::PITCH, S::VT_PITCH, PARTS>(  // the warp's V rows, or V^T (the warp's 16 columns)
           o, stage + S::TILE * S::PITCH + (VT ? 0 : 16 * warp * S::PITCH), pf, warp, lane);
     });
-    pm_finish<KV, VT, HD>(pd_smem, o, m, l, KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value,
-                                                                       p.scale_per_head, kv_head));
+    // the V scale read here, not held in a register across the tiles
+    pm_finish<KV, VT, HD>(pd_smem, o, m, l, pd_scale<KV>(v_scale, p.v_scale_value, kv_head, p));
     pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,
                           tmp_output, p);
   }
@@ -1424,12 +1429,12 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   const float* l = exp_sums + th * p.max_splits;
   __shared__ SoftmaxMerge mg;
   __shared__ float share[PA_THREADS];  // w_s l_s of a chunk of splits, -1 for an empty one (skipped by selection)
-  __shared__ __align__(16) float part[4][4 * 32];  // each warp's sums over its splits
+  __shared__ __align__(16) float part[4][PA_MERGE_COLS];  // each warp's sums over its splits
   if (threadIdx.x == 0) mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf());
   __syncthreads();
-  // Lane l takes columns 128 blockIdx.z + 4 l .. + 3 (one vector load), warp w the splits w, w + 4, ...: the 4
-  // warps' loads in flight together. v_head_size is a multiple of 8, so a lane's 4 columns are all in or out.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = blockIdx.z * 128 + 4 * lane;
+  // Lane l takes columns PA_MERGE_COLS blockIdx.z + 4 l .. + 3 (one vector load), warp w the splits w, w + 4, ...:
+  // the 4 warps' loads in flight together. v_head_size is a multiple of 8: a lane's 4 columns are all in or out.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = blockIdx.z * PA_MERGE_COLS + 4 * lane;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int s0 = 0; s0 < num_splits; s0 += PA_THREADS) {  // every split's weight once, then coalesced partial rows
     const int s = s0 + threadIdx.x;
@@ -1446,7 +1451,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   }
   *reinterpret_cast<float4*>(&part[warp][4 * lane]) = make_float4(acc[0], acc[1], acc[2], acc[3]);  // conflict-free
   __syncthreads();
-  const int c = threadIdx.x, d = blockIdx.z * 128 + c;  // a column a thread: the warps' sums in a fixed order
+  const int c = threadIdx.x, d = blockIdx.z * PA_MERGE_COLS + c;  // a column a thread: the warps' sums in a fixed order
   if (d < p.v_head_size)
     out[token * p.out_token_stride + head * p.out_head_stride + d] =
         from_float<T>((((part[0][c] + part[1][c]) + part[2][c]) + part[3][c]) * mg.inv);
