@@ -15,6 +15,7 @@ HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact si
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
 MMA_BUCKETS = (64, 128)  # head sizes of the tensor-core decode kernel (256 would not fit 99 KB GPUs' stages)
 _TYPES = ("float", "__half", "__nv_bfloat16")
+PREFILL_BUCKETS = ((64, 64), (128, 128), (192, 128), (256, 256))  # the tensor-core prefill kernel's (HD, VHD)
 MLA_TILES = (1, 4)  # the MLA decode kernel's m16 tiles of query heads per CTA: 16 heads (128 threads) or 64 (512)
 ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 
@@ -35,6 +36,10 @@ def decode_mma_kernel(t, kv, hd, vt):
     return f"cupaged::paged_decode_mma_kernel<{t}, {kv}, {hd}, {'true' if vt else 'false'}>"
 
 
+def prefill_kernel(t, kv, hd, vhd):
+    return f"cupaged::paged_prefill_kernel<{t}, {kv}, {hd}, {vhd}>"
+
+
 def mla_kernel(t, kv, mt):
     return f"cupaged::mla_decode_kernel<{t}, {kv}, {mt}>"
 
@@ -46,6 +51,8 @@ FAMILY = KernelFamily("paged_attention", [
     *(decode_kernel(t, kv, hd) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
     *(decode_mma_kernel(t, kv, hd, vt) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS for vt in (0, 1)),
     *(mla_kernel(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
+    *(prefill_kernel(t, kv, hd, vhd) for t in _TYPES[1:] for kv in KV_KINDS for hd, vhd in PREFILL_BUCKETS
+      if hd == vhd or kv == 0),  # 192 / 128: varlen's dense rows (MLA prefill), never an fp8 cache
 ])
 
 
@@ -54,7 +61,7 @@ def kernel_constants() -> dict[str, int]:
     """PA_*, PD_* (the decode kernels'), PM_* (the tensor-core decode kernel's) and MD_* (MLA decode's) as
     kernels_cu/paged_attention.cu defines them."""
     return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE",
-                     "PD_MAX_Q", "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD")
+                     "PD_MAX_Q", "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD", "PF_ROWS")
 
 
 def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
@@ -82,6 +89,30 @@ def decode_mma_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int
     rows = tile * (hd * cache_itemsize + 16)
     stage = rows + (hd * (tile if cache_itemsize == 1 else 2 * tile + 16) if vt else rows)
     return max((3 if 3 * stage <= 65536 else 2) * stage, 4 * c["PM_ROWS"] * (hd + 2) * 4)
+
+
+def prefill_smem_bytes(cache_itemsize: int, hd: int, vhd: int) -> int:
+    """Dynamic shared memory of paged_prefill_kernel: PfSmem<CacheT, HD, VHD>::BYTES (2 stages of K and V rows of
+    TILE keys, the q tile of PF_ROWS rows, and fp8's converted K and V tiles)."""
+    tile, rows = prefill_tile(hd), kernel_constants()["PF_ROWS"]
+    converted = tile * (hd + vhd) * 2 if cache_itemsize == 1 else 0
+    return 2 * tile * (hd + vhd) * cache_itemsize + rows * hd * 2 + converted
+
+
+def prefill_tile(hd: int) -> int:
+    """PfSmem::TILE: keys per stage of the prefill kernel."""
+    return 32 if hd > 128 else 64
+
+
+def prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, rows):
+    """(kernel, shared bytes) of the tensor-core prefill kernel for the long query runs, or None (they stay on
+    paged_attention_kernel): 16-bit q over K/V rows that are contiguous and 16-byte aligned (``rows``: flash NHD /
+    HND caches, dense varlen rows), head sizes up to 256 in the smallest bucket that holds them."""
+    if kind == "mla" or q_dtype.itemsize != 2 or not rows:
+        return None
+    hd, vhd = next(b for b in PREFILL_BUCKETS if b[0] >= head_size and b[1] >= v_head_size
+                   and (b[0] == b[1] or kv == 0))
+    return prefill_kernel(t, kv, hd, vhd), prefill_smem_bytes(1 if kv else q_dtype.itemsize, hd, vhd)
 
 
 def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:

@@ -62,6 +62,12 @@ class KvView:
                                            x) else None
 
     @functools.cached_property
+    def prefill_rows(self) -> bool:
+        """The tensor-core prefill kernel reads these K/V: K and V rows (flash NHD / HND caches, dense varlen rows),
+        contiguous and 16-byte aligned (its cp.async copies)."""
+        return self.kind != "mla" and self.vec_k and self.vec_v and self.strides["v_dim_stride"] == 1
+
+    @functools.cached_property
     def key_id(self) -> str:
         """What a plan made for this K/V depends on: its kind, cache dtype and block size."""
         return kv_key(self.kind, self.kv_cache_dtype, self.block_size)

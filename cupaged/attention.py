@@ -18,7 +18,7 @@ import numpy as np
 
 from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._attention_kernels import (ALL_ROWS, FAMILY, HEAD_BUCKETS, MLA_BUCKET, decode_route, kernel_constants,
-                                       main_kernel, reduce_kernel, resident_ctas, smem_bytes)
+                                       main_kernel, prefill_route, reduce_kernel, resident_ctas, smem_bytes)
 from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, sm_shared_bytes, struct_arg
 from cupaged._cache_args import KV_CODE, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, element_strides
@@ -87,13 +87,13 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
     return _plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
                  kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
                  query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
-                 (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decode_layout)
+                 (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decode_layout, kv.prefill_rows)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, block_size, table_width, index_len,
           decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, device,
-          decode_layout) -> AttentionPlan:
+          decode_layout, prefill_rows) -> AttentionPlan:
     num_tokens, num_heads, head_size = q_shape
     dense = table_width is None
     num_seqs = index_len - (1 if dense else 0)
@@ -112,11 +112,20 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     if route and not resident_ctas(route[3], route[4], sm_shared):  # a CTA the SM cannot hold (float32 head 256 on
         route = None                                                 # sm_86 / 89's 100 KB): paged_attention_kernel
     decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
-    tiles = -(-max_q * group // consts["PA_ROWS"]) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
+    # The long runs: the tensor-core prefill kernel (PF_ROWS rows a CTA, <= 255 registers: 2 CTAs an SM at most)
+    # where it reads these K/V and its CTA fits the SM, else paged_attention_kernel (PA_ROWS rows, ~2 CTAs an SM).
+    prefill = prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, prefill_rows)
+    if prefill and resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared) == 0:
+        prefill = None
+    rows_per_cta = consts["PF_ROWS"] if prefill else consts["PA_ROWS"]
+    tiles = -(-max_q * group // rows_per_cta) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
     if decode_max_q == ALL_ROWS:  # the decode kernel alone: its occupancy (<= 128 registers, its shared memory)
         ctas, per_sm = num_seqs * num_kv_heads * decode_tiles, resident_ctas(decode_threads, decode_smem, sm_shared)
-    else:  # paged_attention_kernel takes the long runs: ~2 CTAs an SM
+    elif prefill:
+        ctas, per_sm = num_seqs * num_kv_heads * tiles, min(2, resident_ctas(consts["PD_THREADS"], prefill[1],
+                                                                             sm_shared))
+    else:
         ctas, per_sm = num_seqs * num_kv_heads * tiles, 2
     split = split_for(sms, per_sm, ctas, max_kv) if kv_split_size is None else kv_split_size
     if max_splits is None:
@@ -127,8 +136,8 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
         num_seqs=num_seqs, num_kv_heads=num_kv_heads, head_size=head_size, v_head_size=v_head_size, dtype=t,
         kv=kv_key(kind, kv_cache_dtype, block_size), tiles=tiles, kv_split_size=split, max_splits=max_splits,
         always_partials=always_partials, grid=(tiles * max_splits, num_kv_heads, num_seqs),
-        threads=consts["PA_THREADS"], shared_mem=smem_bytes(hd, vhd, shared),
-        kernel=None if decode_max_q == ALL_ROWS else main_kernel(t, kv, hd, vhd, shared),
+        threads=consts["PA_THREADS"], shared_mem=prefill[1] if prefill else smem_bytes(hd, vhd, shared),
+        kernel=None if decode_max_q == ALL_ROWS else prefill[0] if prefill else main_kernel(t, kv, hd, vhd, shared),
         reduce_kernel=reduce_kernel(t) if max_splits > 1 and split > 0 else None,
         decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
         decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),
@@ -172,6 +181,9 @@ def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
     got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
+    if plan.kernel is not None and "prefill" in plan.kernel and not kv.prefill_rows:
+        raise ValueError("run_attention: the plan's prefill kernel reads K/V rows (contiguous, 16-byte aligned); "
+                         "this kv's are not: plan with this kv")
     if plan.decode_kernel is not None and kv.decode_layout != plan.decode_layout:
         raise ValueError(f"run_attention: the plan's decode kernel reads K/V laid out as {plan.decode_layout!r} "
                          f"(contiguous, 16-byte aligned runs); this kv's are {kv.decode_layout!r}: plan with this kv")

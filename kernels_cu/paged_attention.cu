@@ -471,14 +471,18 @@ constexpr int PD_ROWS = 4;       // query rows per paged_decode_kernel CTA (8 wo
 template <class CacheT, int HD>
 struct PdSmem {
   static constexpr int TILE = PD_TILE, PITCH = HD * int(sizeof(CacheT));   // a stage's keys; its rows' bytes
+  static constexpr int K_DIMS = HD, V_DIMS = HD;
   static constexpr bool PREFETCH = true;                                  // block ids a tile ahead (pd_pipeline)
-  static constexpr int VT_PITCH = 0;                                      // V in rows, as K
+  static constexpr bool VT = false;                                       // V in rows, as K
   static constexpr int UNROLL = sizeof(CacheT) == 4 ? 1 : 0;  // pd_issue's loop (0: the compiler's choice); float32
                                                               // not unrolled: its copies' addresses would spill
   static constexpr int STAGE = 2 * TILE * PITCH;                          // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
   static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;                // per warp: m, l, o of each row
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
+  static __device__ __forceinline__ int k_at(int j, int c) { return j * PITCH + c * 16; }  // pd_issue's placement
+  static __device__ __forceinline__ int v_at(int j, int c) { return (TILE + j) * PITCH + c * 16; }
+  static __device__ __forceinline__ int vt_at(int, int) { return 0; }
 };
 
 // 16 bytes global -> shared, of which `bytes` are read (the rest zero-filled: the row's tail past head_size).
@@ -518,22 +522,24 @@ __device__ __forceinline__ int pd_vt_col(int run, int dim) {
   return X == 16 ? ((run ^ dim >> 1) & 3) * 16 : run * 16;
 }
 
-// Issue the copies of tile `tile` into one stage: TILE K rows (PITCH bytes apart, every 16-byte chunk of a row),
-// then the V tile: TILE V rows like K's (VT_PITCH 0) or, for vLLM's [.., head_size, block_size] values (VT_PITCH:
-// its row pitch), V^T: HD rows of TILE keys, 16 bytes (X keys of one dimension) a copy, from a tile base that is a
-// multiple of X in blocks of whole X-key runs. `ids`: the tile's block ids (ids[b] = block of table entry
-// first_block + b), nullptr for dense rows. Keys past the tile's last are zero-filled (src-size 0: not read), so
-// a 0 weight never meets garbage.
-template <class CacheT, int HD, int TILE, int PITCH, int VT_PITCH, int UNROLL>
+// Issue the copies of tile `tile` into one stage laid out by S (PdSmem, PmSmem, PfSmem): TILE K rows of S::K_DIMS
+// (every 16-byte chunk c of key j at S::k_at(j, c)), then the V tile: TILE V rows of S::V_DIMS like K's (at
+// S::v_at(j, c)) or, for vLLM's [.., head_size, block_size] values (S::VT), V^T: V_DIMS rows of TILE keys, 16 bytes
+// (X keys of one dimension) a copy at S::vt_at(run, dim), from a tile base that is a multiple of X in blocks of whole
+// X-key runs. `ids`: the tile's block ids (ids[b] = block of table entry first_block + b), nullptr for dense rows.
+// Keys past the tile's last and dimensions past head_size / v_head_size are zero-filled (src-size 0: not read), so
+// a 0 weight never meets garbage and the tensor cores sum zeros over a bucket's padding.
+template <class CacheT, class S>
 __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
                                          const int* ids, PdTile tile, long long key_row0, int kv_head,
                                          const PaParams& p) {
-  constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = HD / X;
-  constexpr int COPIES = TILE * CHUNKS * 2;  // K's, then as many for V (HD rows of TILE / X runs for V^T)
+  constexpr int X = 16 / int(sizeof(CacheT)), TILE = S::TILE, KC = S::K_DIMS / X;
+  constexpr int COPIES = TILE * KC + TILE * S::V_DIMS / X;  // K's, then V's (V_DIMS rows of TILE / X runs for V^T)
   auto copy = [&](int i) {
-    const bool is_v = i >= TILE * CHUNKS, vt = VT_PITCH > 0 && is_v;
-    const int k = i - is_v * TILE * CHUNKS;
-    const int j = vt ? k % (TILE / X) * X : k / CHUNKS, c = vt ? k / (TILE / X) : k % CHUNKS;  // key, chunk or dim
+    const bool is_v = i >= TILE * KC, vt = S::VT && is_v;
+    const int k = i - is_v * TILE * KC, vc = S::V_DIMS / X;
+    const int j = vt ? k % (TILE / X) * X : is_v ? k / vc : k / KC;  // key
+    const int c = vt ? k / (TILE / X) : is_v ? k % vc : k % KC;      // chunk, or V^T's dimension
     const bool real = j < tile.n;
     const int pos = tile.base + (real ? j : 0);
     const int b = pd_block_of(pos, p);
@@ -545,14 +551,14 @@ __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key
                                     c * p.v_dim_stride + off
                               : value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
                                     off * p.v_page_stride + c * X;
-    const int bytes = !real ? 0 : vt ? (c < p.head_size ? min(X, tile.n - j) * int(sizeof(CacheT)) : 0)
-                                     : min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
-    unsigned char* dst = vt ? stage + TILE * PITCH + c * VT_PITCH + pd_vt_col<X>(j / X, c)
-                            : stage + (is_v * TILE + j) * PITCH + c * 16;
+    const int dims = is_v ? p.v_head_size : p.head_size;
+    const int bytes = !real ? 0 : vt ? (c < dims ? min(X, tile.n - j) * int(sizeof(CacheT)) : 0)
+                                     : min(max(dims - c * X, 0), X) * int(sizeof(CacheT));
+    unsigned char* dst = stage + (vt ? S::vt_at(j / X, c) : is_v ? S::v_at(j, c) : S::k_at(j, c));
     pd_copy16(dst, bytes ? src : key_cache, bytes);
   };
-  if constexpr (UNROLL > 0) {  // the copies' addresses live at once while q and o are: a register budget
-#pragma unroll UNROLL
+  if constexpr (S::UNROLL > 0) {  // the copies' addresses live at once while q and o are: a register budget
+#pragma unroll S::UNROLL
     for (int i = threadIdx.x; i < COPIES; i += PD_THREADS) copy(i);
   } else {
     for (int i = threadIdx.x; i < COPIES; i += PD_THREADS) copy(i);
@@ -822,8 +828,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
       if (threadIdx.x == 0) rows[r] = row;
     }
     pd_pipeline<S>(pd_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
-      pd_issue<CacheT, HD, S::TILE, S::PITCH, S::VT_PITCH, S::UNROLL>(stage, key_cache, value_cache, tile_ids, tile,
-                                                                       sq.key_row0, kv_head, p);
+      pd_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const bool all_see = base >= lo_all && base + PD_TILE - 1 <= hi_all;
       for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS)
@@ -856,16 +861,23 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
 constexpr int PM_TILE = 64;  // keys per stage: 16 per warp, the m16 side of the mma
 constexpr int PM_ROWS = 8;   // query rows per CTA: the n8 side
 
-template <class CacheT, int HD, bool VT>
+template <class CacheT, int HD, bool V_TRANSPOSED>
 struct PmSmem {
   static constexpr int TILE = PM_TILE, PITCH = HD * int(sizeof(CacheT)) + 16;  // +16 bytes: ldmatrix conflict-free
+  static constexpr bool VT = V_TRANSPOSED;
   static constexpr int VT_PITCH = !VT ? 0 : sizeof(CacheT) == 1 ? TILE : TILE * 2 + 16;  // V^T rows (pd_vt_col)
+  static constexpr int K_DIMS = HD, V_DIMS = HD;
   static constexpr bool PREFETCH = true;
   static constexpr int UNROLL = 0;  // pd_issue's loop: the compiler's choice
   static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);
   static constexpr int STAGES = 3 * STAGE <= 65536 ? 3 : 2;
   static constexpr int MERGE = 4 * PM_ROWS * (HD + 2) * 4;
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
+  static __device__ __forceinline__ int k_at(int j, int c) { return j * PITCH + c * 16; }  // pd_issue's placement
+  static __device__ __forceinline__ int v_at(int j, int c) { return (TILE + j) * PITCH + c * 16; }
+  static __device__ __forceinline__ int vt_at(int run, int dim) {
+    return TILE * PITCH + dim * VT_PITCH + pd_vt_col<16 / int(sizeof(CacheT))>(run, dim);
+  }
 };
 
 // The dimension of q held in column k of the shared q tile: 16-bit caches in order; an fp8 ldmatrix row gives a
@@ -1053,8 +1065,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
     for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
     const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
     pd_pipeline<S>(pd_smem, ids, table, first, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
-      pd_issue<CacheT, HD, S::TILE, S::PITCH, S::VT_PITCH, S::UNROLL>(stage, key_cache, value_cache, tile_ids, tile,
-                                                                       sq.key_row0, kv_head, p);
+      pd_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const int key0 = base + 16 * warp;
       if (key0 > hi) return;  // the warp's keys are all past the last (warp-uniform)
@@ -1104,6 +1115,278 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
     pm_finish<KV, VT, HD>(pd_smem, o, m, l, pd_scale<KV>(v_scale, p.v_scale_value, kv_head, p));
     pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,
                           tmp_output, p);
+  }
+}
+
+// ---- Prefill on tensor cores (FlashAttention-2's design): the query runs longer than the decode kernels take,
+// 16-bit q over flash NHD / HND caches or dense rows that are contiguous and 16-byte aligned. A CTA takes PF_ROWS =
+// 64 query rows ((token, head) pairs of one GQA group, token-major, so K/V are read once for the group), 16 a warp,
+// and walks their keys in tiles of S::TILE through the decode kernels' cp.async pipeline (pd_pipeline):
+//   S = Q K^T by mma.sync m16n8k16: Q's A and K's B fragments by ldmatrix from shared tiles whose 16-byte chunks are
+//     XOR-swizzled by row (pf_at): conflict-free without padding;
+//   the online softmax in registers: a lane holds two rows' scores (g, g + 8 of its warp's 16), row maxima and sums
+//     over its quad by shuffles; masks (causal, windows, the split's ends, keys past the last) only on tiles not
+//     wholly visible to the warp's rows, and a warp skips the tiles none of its rows sees;
+//   O += P V: the C fragments of S rounded to q's type are P's A fragments as they lie, V's B fragments come by
+//     ldmatrix.trans: FlashAttention-2's accuracy (P in 16 bits; the tolerance table, not the decode ulp rule).
+// fp8 caches land as codes and are converted to q's type in shared memory (exact; .b16 ldmatrix of fp8 pairs would
+// not give 16-bit fragments), their scales folded into the scores' scale and the output. Head sizes below the
+// bucket are zero-filled by the copies (src-size), so the mma sums zeros. Row tiles run heaviest first: the last
+// rows of a causal run see the most keys. Every key a stage holds is visible to some row of the CTA or zero-filled
+// past the last, so a masked row's 0 weight only ever meets real values.
+constexpr int PF_ROWS = 64;  // query rows per CTA: the m16 tiles of 4 warps
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW-byte rows (ROW a multiple of 128): the chunk's
+// low 3 bits XOR the row's, so ldmatrix's 8 rows at one chunk hit 8 different 16-byte bank groups.
+template <int ROW>
+__device__ __forceinline__ int pf_at(int row, int chunk) { return row * ROW + ((chunk ^ (row & 7)) << 4); }
+
+template <class CacheT, int HD, int VHD>
+struct PfSmem {
+  static constexpr int TILE = HD > 128 ? 32 : 64;  // keys per stage (32 above 128: 99 KB GPUs, fewer registers)
+  static constexpr int K_DIMS = HD, V_DIMS = VHD;
+  static constexpr bool PREFETCH = true, VT = false, CONVERT = sizeof(CacheT) == 1;
+  static constexpr int UNROLL = 0;
+  static constexpr int KROW = HD * int(sizeof(CacheT)), VROW = VHD * int(sizeof(CacheT));  // a stage's rows, bytes
+  static constexpr int STAGE = TILE * (KROW + VROW), STAGES = 2;
+  static constexpr int Q = STAGES * STAGE;                  // [PF_ROWS][HD] of q's type (pf_at)
+  static constexpr int CK = Q + PF_ROWS * HD * 2;           // fp8: the stage's K [TILE][HD] and V [TILE][VHD] in q's
+  static constexpr int CV = CK + (CONVERT ? TILE * HD * 2 : 0);  // type (pf_at)
+  static constexpr int BYTES = CV + (CONVERT ? TILE * VHD * 2 : 0);
+  // pd_issue's placement: 16-bit rows swizzled as the mma reads them; fp8 codes plain (pf_convert reads them)
+  static __device__ __forceinline__ int k_at(int j, int c) { return CONVERT ? j * KROW + c * 16 : pf_at<KROW>(j, c); }
+  static __device__ __forceinline__ int v_at(int j, int c) {
+    return TILE * KROW + (CONVERT ? j * VROW + c * 16 : pf_at<VROW>(j, c));
+  }
+  static __device__ __forceinline__ int vt_at(int, int) { return 0; }
+};
+
+// fp8 codes of a stage -> q's type in the swizzled K and V tiles, 8 codes a thread a step (8-byte reads, 16-byte
+// writes: both conflict-free); exact.
+template <int KV, class T, class S>
+__device__ __forceinline__ void pf_convert(unsigned char* ck, unsigned char* cv, const unsigned char* stage) {
+  constexpr int KC = S::K_DIMS / 8, VC = S::V_DIMS / 8;  // 8-element chunks of a row
+  for (int i = threadIdx.x; i < S::TILE * (KC + VC); i += PD_THREADS) {
+    const bool is_v = i >= S::TILE * KC;
+    const int k = i - is_v * S::TILE * KC, j = is_v ? k / VC : k / KC, c = is_v ? k % VC : k % KC;
+    const uint2 codes =
+        *reinterpret_cast<const uint2*>(stage + (is_v ? S::TILE * S::KROW + j * S::VROW : j * S::KROW) + c * 8);
+    const uint4 w = make_uint4(tc_fp8x2<KV, T>(codes.x), tc_fp8x2<KV, T>(codes.x >> 16), tc_fp8x2<KV, T>(codes.y),
+                               tc_fp8x2<KV, T>(codes.y >> 16));
+    *reinterpret_cast<uint4*>(is_v ? cv + pf_at<S::V_DIMS * 2>(j, c) : ck + pf_at<S::K_DIMS * 2>(j, c)) = w;
+  }
+}
+
+// The row tile's q rows into the swizzled q tile, 8 elements a chunk (zero past head_size and past the last row).
+template <class T, int HD>
+__device__ __forceinline__ void pf_load_q(unsigned char* qs, const T* q, int row0, int nrows, int group, int kv_head,
+                                          int q_start, const PaParams& p) {
+  for (int i = threadIdx.x; i < PF_ROWS * HD / 8; i += PD_THREADS) {
+    const int r = i / (HD / 8), c = i % (HD / 8), rr = row0 + r;
+    const T* qrow = q + (q_start + rr / group) * p.q_token_stride + (kv_head * group + rr % group) * p.q_head_stride;
+    unsigned w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = 8 * c + 2 * e;
+      const T zero = from_float<T>(0.0f);
+      w[e] = tc_pack<T>(r < nrows && d < p.head_size ? qrow[d] : zero, r < nrows && d + 1 < p.head_size ? qrow[d + 1]
+                                                                                                           : zero);
+    }
+    *reinterpret_cast<uint4*>(qs + pf_at<HD * 2>(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// S (the warp's 16 rows x TILE keys) = Q K^T: Q's A fragments by ldmatrix (row l % 16, chunk 2 kk + l / 16), K's B
+// fragments by ldmatrix of its rows (key 16 j + 8 (l / 16) + l % 8, chunk 2 kk + l / 8 % 2: n tiles 2 j, 2 j + 1).
+template <class T, int HD, int TILE>
+__device__ __forceinline__ void pf_scores(float (&s)[TILE / 8][4], const unsigned char* qs, const unsigned char* kt,
+                                          int warp, int lane) {
+  const int qr = 16 * warp + (lane & 15), kr = 8 * (lane >> 4) + (lane & 7);
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    unsigned a[4];
+    tc_ldmatrix_x4(a, qs + pf_at<HD * 2>(qr, 2 * kk + (lane >> 4)));
+#pragma unroll
+    for (int j = 0; j < TILE / 16; ++j) {
+      unsigned b[4];
+      tc_ldmatrix_x4(b, kt + pf_at<HD * 2>(16 * j + kr, 2 * kk + (lane >> 3 & 1)));
+      tc_mma<T>(s[2 * j], a, b[0], b[1]);
+      tc_mma<T>(s[2 * j + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Row g + 8 e of the warp's tile of scores (keys key0 + 8 n + h, key0 = the tile's first + 2t): scale, softcap,
+// ALiBi and, when `masked`, the row's visible range; then the online-softmax step: the scores become P = e^{s - m}
+// (0 where masked: selection), (m, l) move on (l over this lane's keys), and the factor that rescales o is returned.
+template <int NT>
+__device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, float& l, const PaRow& row, int key0,
+                                            bool masked, float qscale, float softcap) {
+  float mx = neg_inf();
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + 8 * n + h;
+      float x = s[n][2 * e + h] * qscale;
+      if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+      x -= row.slope * fabsf(float(key - row.pos));
+      if (masked && (key < row.lo || key > row.hi)) x = neg_inf();
+      s[n][2 * e + h] = x;
+      mx = fmaxf(mx, x);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float mn = fmaxf(m, mx), alpha = m == neg_inf() ? 0.0f : expf(m - mn);
+  float sum = 0.0f;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float x = s[n][2 * e + h];
+      s[n][2 * e + h] = x == neg_inf() ? 0.0f : expf(x - mn);
+      sum += s[n][2 * e + h];
+    }
+  l = l * alpha + sum;
+  m = mn;
+  return alpha;
+}
+
+// O += P V over the tile's keys: k step kk of P is S's n tiles 2 kk, 2 kk + 1 rounded to T (the C fragments are the
+// A fragments), V's B fragments by ldmatrix.trans of its rows (key 16 kk + l % 16, chunk 2 j + l / 16: n tiles 2 j,
+// 2 j + 1).
+template <class T, int VHD, int TILE>
+__device__ __forceinline__ void pf_values(float (&o)[VHD / 8][4], const float (&s)[TILE / 8][4],
+                                          const unsigned char* vt, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < TILE / 16; ++kk) {
+    const float* x = s[2 * kk];
+    const float* y = s[2 * kk + 1];
+    const unsigned a[4] = {tc_pack<T>(from_float<T>(x[0]), from_float<T>(x[1])),
+                           tc_pack<T>(from_float<T>(x[2]), from_float<T>(x[3])),
+                           tc_pack<T>(from_float<T>(y[0]), from_float<T>(y[1])),
+                           tc_pack<T>(from_float<T>(y[2]), from_float<T>(y[3]))};
+#pragma unroll
+    for (int j = 0; j < VHD / 16; ++j) {
+      unsigned b[4];
+      tc_ldmatrix_x4_trans(b, vt + pf_at<VHD * 2>(16 * kk + (lane & 15), 2 * j + (lane >> 4)));
+      tc_mma<T>(o[2 * j], a, b[0], b[1]);
+      tc_mma<T>(o[2 * j + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// The end of a prefill row tile: each lane's two rows (their sums over the quad first), written as a split's
+// partials or finished with the sink and the LSE, as pd_store does; o carries the V scale `oscale` still.
+template <class T, int VHD>
+__device__ __forceinline__ void pf_store(const float (&o)[VHD / 8][4], const float (&m)[2], float (&l)[2],
+                                         const PaRow* rows, int nrows, int split, int num_splits, int seq_len,
+                                         float oscale, T* out, float* lse, float* max_logits, float* exp_sums,
+                                         void* tmp_output, const PaParams& p) {
+  const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 16 * warp + g + 8 * e;
+    if (r >= nrows) continue;
+    const PaRow row = rows[r];
+    const long long th = (long long)row.token * p.num_heads + row.head;
+    const SoftmaxFinish fin = softmax_finish(m[e], l[e], row.sink);
+    const float fp = oscale * (l[e] > 0.0f ? 1.0f / l[e] : 0.0f), fo = oscale * fin.scale;
+#pragma unroll
+    for (int n = 0; n < VHD / 8; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int d = 8 * n + 2 * t + h;
+        if (d >= p.v_head_size) continue;
+        if (partial)
+          pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, o[n][2 * e + h] * fp,
+                              p.partials_in_out_type);
+        if (num_splits == 1)
+          out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(o[n][2 * e + h] * fo);
+      }
+    if (t == 0 && partial) { max_logits[th * p.max_splits + split] = m[e]; exp_sums[th * p.max_splits + split] = l[e]; }
+    if (t == 0 && num_splits == 1 && lse) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
+  }
+}
+
+template <class T, int KV, int HD, int VHD>
+__global__ void __launch_bounds__(PD_THREADS, 2) paged_prefill_kernel(
+    const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
+    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
+    const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+    const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
+    void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
+  typedef typename CacheType<KV, T>::type CacheT;
+  typedef PfSmem<CacheT, HD, VHD> S;
+  constexpr int TILE = S::TILE;
+  extern __shared__ __align__(128) unsigned char pf_smem[];
+  __shared__ PaRow rows[PF_ROWS];
+  __shared__ int ids[S::STAGES][TILE + 1];
+  const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
+  if (sq.q_len <= p.decode_max_q || split >= sq.splits.count) return;  // a decode kernel's, or idle
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float qscale = p.scale * pd_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
+  const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
+  const int ntiles = (all_rows + PF_ROWS - 1) / PF_ROWS;
+  for (int it = blockIdx.x % p.tiles; it < ntiles; it += p.tiles) {  // p.tiles apart: rows past the hint too
+    const int row0 = (ntiles - 1 - it) * PF_ROWS, nrows = min(PF_ROWS, all_rows - row0);  // heaviest first
+    if (threadIdx.x < PF_ROWS) rows[threadIdx.x] = pd_row(threadIdx.x, row0, nrows, group, kv_head, sq, sinks,
+                                                          alibi_slopes, p);
+    pf_load_q<T, HD>(pf_smem + S::Q, q, row0, nrows, group, kv_head, sq.q_start, p);  // pd_pipeline publishes it
+    __syncthreads();
+    int lo = 0x7fffffff, hi = -1;                // the union of the rows' visible keys: the only ones loaded
+    int wlo = 0x7fffffff, whi = -1;              // the union of this warp's rows'
+    int all_lo = 0, all_hi = 0x7fffffff;         // keys every row of this warp sees
+    for (int r = 0; r < nrows; ++r) {
+      const PaRow& row = rows[r];
+      const bool mine = r / 16 == warp;
+      if (row.lo <= row.hi) {
+        lo = min(lo, row.lo);
+        hi = max(hi, row.hi);
+        if (mine) { wlo = min(wlo, row.lo); whi = max(whi, row.hi); }
+      }
+      if (mine) { all_lo = max(all_lo, row.lo); all_hi = min(all_hi, row.hi); }
+    }
+    float o[VHD / 8][4], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};  // rows g, g + 8 of the warp's
+#pragma unroll
+    for (int n = 0; n < VHD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    pd_pipeline<S>(pf_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
+      pd_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    }, [&](const unsigned char* stage, int base) {
+      const unsigned char *kt = stage, *vt = stage + TILE * S::KROW;
+      if constexpr (S::CONVERT) {
+        pf_convert<KV, T, S>(pf_smem + S::CK, pf_smem + S::CV, stage);
+        __syncthreads();  // the converted tiles are in (the pipeline's next barrier precedes the next conversion)
+        kt = pf_smem + S::CK;
+        vt = pf_smem + S::CV;
+      }
+      if (base > whi || base + TILE - 1 < wlo) return;  // none of the warp's rows sees these keys (warp-uniform)
+      float s[TILE / 8][4];
+#pragma unroll
+      for (int n = 0; n < TILE / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      pf_scores<T, HD, TILE>(s, pf_smem + S::Q, kt, warp, lane);
+      const bool masked = base < all_lo || base + TILE - 1 > all_hi;  // the diagonal, window edges, the last tile
+      const int g = lane >> 2, key0 = base + 2 * (lane & 3);
+      const float a0 = pf_softmax(s, 0, m[0], l[0], rows[16 * warp + g], key0, masked, qscale, p.softcap);
+      const float a1 = pf_softmax(s, 1, m[1], l[1], rows[16 * warp + g + 8], key0, masked, qscale, p.softcap);
+#pragma unroll
+      for (int n = 0; n < VHD / 8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
+      pf_values<T, VHD, TILE>(o, s, vt, lane);
+    });
+    pf_store<T, VHD>(o, m, l, rows, nrows, split, sq.splits.count, sq.seq_len,
+                     pd_scale<KV>(v_scale, p.v_scale_value, kv_head, p), out, lse, max_logits, exp_sums, tmp_output, p);
+    __syncthreads();  // the next row tile rewrites rows and the q tile
   }
 }
 
