@@ -7,7 +7,7 @@ import numpy as np
 from cupaged._backend import array_kind, empty, host_copy, module_of, upload
 from cupaged._cache_args import cache_dtype, check_index
 from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_float, check_last_contiguous, \
-    check_ndim, element_strides
+    check_ndim, check_optional_int, element_strides
 
 __all__ = ["check_q", "check_caches", "check_tables", "check_head_vector", "check_out", "check_softcap",
            "validate_tables", "validate_offsets", "check_hint", "MAX_HEAD_SIZE"]
@@ -136,6 +136,26 @@ def check_softcap(softcap) -> float | None:
     if value < 0:
         raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
     return value or None
+
+
+def check_window(sliding_window, window_size, causal) -> tuple[int, tuple[int, int] | None]:
+    """(sliding_window as an int, 0 = none; window_size as (left, right) or None): FlashAttention's window_size,
+    two ints >= -1 (-1: unbounded; (-1, -1) is no window), never given together with sliding_window."""
+    window = check_optional_int("sliding_window", sliding_window, 0) or 0
+    if window and not causal:
+        raise ValueError("sliding_window requires causal=True (window_size=(left, right) takes non-causal windows)")
+    if window_size is None:
+        return window, None
+    try:
+        left, right = window_size
+        ok = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= -1 for x in (left, right))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"window_size must be (left, right), two ints >= -1 (-1: unbounded), got {window_size!r}")
+    if window:
+        raise ValueError(f"give sliding_window={sliding_window} or window_size={tuple(window_size)}, not both")
+    return 0, (int(left), int(right))
 
 
 def check_hint(name: str, hint, actual: int, what: str) -> None:

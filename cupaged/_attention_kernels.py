@@ -52,7 +52,7 @@ FAMILY = KernelFamily("paged_attention", [
     *(decode_mma_kernel(t, kv, hd, vt) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS for vt in (0, 1)),
     *(mla_kernel(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
     *(prefill_kernel(t, kv, hd, vhd) for t in _TYPES[1:] for kv in KV_KINDS for hd, vhd in PREFILL_BUCKETS
-      if hd == vhd or kv == 0),  # 192 / 128: varlen's dense rows (MLA prefill), never an fp8 cache
+      if hd == vhd or kv == KV_KINDS[0]),  # 192 / 128: varlen's dense rows (MLA prefill), never an fp8 cache
 ])
 
 
@@ -61,7 +61,7 @@ def kernel_constants() -> dict[str, int]:
     """PA_*, PD_* (the decode kernels'), PM_* (the tensor-core decode kernel's) and MD_* (MLA decode's) as
     kernels_cu/paged_attention.cu defines them."""
     return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE",
-                     "PD_MAX_Q", "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD", "PF_ROWS")
+                     "PD_MAX_Q", "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD")
 
 
 def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
@@ -91,28 +91,32 @@ def decode_mma_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int
     return max((3 if 3 * stage <= 65536 else 2) * stage, 4 * c["PM_ROWS"] * (hd + 2) * 4)
 
 
+def prefill_shape(hd: int, vhd: int) -> tuple[int, int]:
+    """PfSmem<CacheT, HD, VHD>'s (ROWS, TILE): query rows a CTA (2 m16 tiles a warp up to VHD 128, else 1) and keys
+    a stage."""
+    return (128 if vhd <= 128 else 64), (32 if hd > 64 else 64)
+
+
 def prefill_smem_bytes(cache_itemsize: int, hd: int, vhd: int) -> int:
-    """Dynamic shared memory of paged_prefill_kernel: PfSmem<CacheT, HD, VHD>::BYTES (2 stages of K and V rows of
-    TILE keys, the q tile of PF_ROWS rows, and fp8's converted K and V tiles)."""
-    tile, rows = prefill_tile(hd), kernel_constants()["PF_ROWS"]
-    converted = tile * (hd + vhd) * 2 if cache_itemsize == 1 else 0
-    return 2 * tile * (hd + vhd) * cache_itemsize + rows * hd * 2 + converted
-
-
-def prefill_tile(hd: int) -> int:
-    """PfSmem::TILE: keys per stage of the prefill kernel."""
-    return 32 if hd > 128 else 64
+    """Dynamic shared memory of paged_prefill_kernel: PfSmem<CacheT, HD, VHD>::BYTES (3 stages of K and V rows of
+    TILE keys, 2 where 3 would pass 99 KB, the q tile of ROWS rows, and fp8's converted K and V tiles)."""
+    rows, tile = prefill_shape(hd, vhd)
+    stage = tile * (hd + vhd) * cache_itemsize
+    fixed = rows * hd * 2 + (tile * (hd + vhd) * 2 if cache_itemsize == 1 else 0)
+    return (3 if 3 * stage + fixed <= 99 * 1024 else 2) * stage + fixed
 
 
 def prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, rows):
-    """(kernel, shared bytes) of the tensor-core prefill kernel for the long query runs, or None (they stay on
+    """(kernel, shared bytes, rows a CTA) of the tensor-core prefill kernel for the long query runs, or None (they stay on
     paged_attention_kernel): 16-bit q over K/V rows that are contiguous and 16-byte aligned (``rows``: flash NHD /
     HND caches, dense varlen rows), head sizes up to 256 in the smallest bucket that holds them."""
     if kind == "mla" or q_dtype.itemsize != 2 or not rows:
         return None
     hd, vhd = next(b for b in PREFILL_BUCKETS if b[0] >= head_size and b[1] >= v_head_size
-                   and (b[0] == b[1] or kv == 0))
-    return prefill_kernel(t, kv, hd, vhd), prefill_smem_bytes(1 if kv else q_dtype.itemsize, hd, vhd)
+                   and (b[0] == b[1] or kv == KV_KINDS[0]))
+    itemsize = q_dtype.itemsize if kv == KV_KINDS[0] else 1
+    return (prefill_kernel(t, kv, hd, vhd), prefill_smem_bytes(itemsize, hd, vhd),
+            prefill_shape(hd, vhd)[0])
 
 
 def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:

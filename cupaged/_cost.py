@@ -25,36 +25,30 @@ class Cost:
     flops: int
 
 
-def _window_sum(lo: np.ndarray, hi: np.ndarray, window: int) -> np.ndarray:
-    """Σ_{p=lo}^{hi} min(p + 1, window) per element (window 0: no cap), for lo <= hi + 1."""
-    def upto(x):  # Σ_{p=0}^{x-1} min(p + 1, W)
-        if not window:
-            return x * (x + 1) // 2
-        capped = np.minimum(x, window)
-        return capped * (capped + 1) // 2 + (x - capped) * window
-    return upto(hi + 1) - upto(lo)
-
-
-def visible_pairs(seq_lens, q_lens, causal: bool, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def visible_pairs(seq_lens, q_lens, window=(-1, 0)) -> tuple[np.ndarray, np.ndarray]:
     """(distinct visible keys per sequence, Σ over its queries of the keys each sees). Queries are
-    bottom-right aligned: query i of a sequence of q_len n sits at position seq_len - n + i."""
-    seq_lens = np.asarray(seq_lens, np.int64)
-    q_lens = np.asarray(q_lens, np.int64)
-    if not causal:
-        return seq_lens, q_lens * seq_lens
-    first = seq_lens - q_lens  # position of the first query
-    pairs = _window_sum(first, seq_lens - 1, window)
-    keys = seq_lens - (np.maximum(first - window + 1, 0) if window else 0)
-    return np.where(q_lens > 0, keys, 0), np.where(q_lens > 0, pairs, 0)
+    bottom-right aligned: query i of a sequence of q_len n sits at position seq_len - n + i and sees keys
+    position - left .. position + right of ``window`` (left, right), -1 unbounded: (-1, 0) is causal."""
+    left, right = window
+    keys, pairs = [], []
+    for length, n in zip(np.atleast_1d(np.asarray(seq_lens, np.int64)), np.atleast_1d(np.asarray(q_lens, np.int64))):
+        pos = length - n + np.arange(n)
+        lo = np.maximum(pos - left, 0) if left >= 0 else np.zeros_like(pos)
+        hi = np.minimum(pos + right, length - 1) if right >= 0 else np.full_like(pos, length - 1)
+        seen = hi >= lo
+        pairs.append(int(np.sum(hi - lo + 1, where=seen)))
+        keys.append(int(hi[seen].max() - lo[seen].min() + 1) if seen.any() else 0)
+    return np.array(keys, np.int64), np.array(pairs, np.int64)
 
 
 def attention_cost(seq_lens, q_lens, *, num_heads: int, num_kv_heads: int, head_size: int, v_head_size: int,
-                   kv_itemsize: int, q_itemsize: int, out_itemsize: int, block_size: int | None, causal: bool,
-                   window: int = 0, lse: bool = False, shared_kv: bool = False, query_start_loc: bool = True) -> Cost:
-    """Paged (block_size) or dense (block_size None) attention of one batch; ``shared_kv``: MLA,
-    where a key's value is part of its latent row (read once); ``query_start_loc``: whether the call
-    reads one (decode does not)."""
-    keys, pairs = visible_pairs(seq_lens, q_lens, causal, window)
+                   kv_itemsize: int, q_itemsize: int, out_itemsize: int, block_size: int | None,
+                   causal: bool = True, window=None, lse: bool = False, shared_kv: bool = False,
+                   query_start_loc: bool = True) -> Cost:
+    """Paged (block_size) or dense (block_size None) attention of one batch; ``window``: (left, right) as
+    visible_pairs takes it (None: causal or not, no window); ``shared_kv``: MLA, where a key's value is part of its
+    latent row (read once); ``query_start_loc``: whether the call reads one (decode does not)."""
+    keys, pairs = visible_pairs(seq_lens, q_lens, window if window is not None else (-1, 0 if causal else -1))
     tokens = int(np.sum(q_lens))
     row_bytes = head_size if shared_kv else head_size + v_head_size
     kv = int(keys.sum()) * num_kv_heads * row_bytes * kv_itemsize

@@ -112,12 +112,12 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     if route and not resident_ctas(route[3], route[4], sm_shared):  # a CTA the SM cannot hold (float32 head 256 on
         route = None                                                 # sm_86 / 89's 100 KB): paged_attention_kernel
     decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
-    # The long runs: the tensor-core prefill kernel (PF_ROWS rows a CTA, <= 255 registers: 2 CTAs an SM at most)
+    # The long runs: the tensor-core prefill kernel (64 or 128 rows a CTA, <= 255 registers: 2 CTAs an SM at most)
     # where it reads these K/V and its CTA fits the SM, else paged_attention_kernel (PA_ROWS rows, ~2 CTAs an SM).
     prefill = prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, prefill_rows)
     if prefill and resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared) == 0:
         prefill = None
-    rows_per_cta = consts["PF_ROWS"] if prefill else consts["PA_ROWS"]
+    rows_per_cta = prefill[2] if prefill else consts["PA_ROWS"]
     tiles = -(-max_q * group // rows_per_cta) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
     if decode_max_q == ALL_ROWS:  # the decode kernel alone: its occupancy (<= 128 registers, its shared memory)
@@ -142,6 +142,16 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
         decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
         decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),
         decode_tiles=decode_tiles, decode_max_q=decode_max_q, decode_layout=decode_layout if decode_kernel else None)
+
+
+def window_bounds(causal, sliding_window=None, window_size=None) -> tuple[int, int]:
+    """(window_left, window_right) of PaParams: a query at position p sees keys p - left .. p + right (-1: no bound).
+    ``sliding_window`` W: the W most recent keys, left W - 1; ``window_size``: FlashAttention's (left, right);
+    causal caps the right side at 0 (FlashAttention too)."""
+    left, right = window_size if window_size is not None else (-1, -1)
+    if sliding_window:
+        left = sliding_window - 1
+    return int(left), 0 if causal else int(right)
 
 
 def check_fits(plan: AttentionPlan, limit: int, device: str = "this GPU") -> None:
@@ -191,12 +201,14 @@ def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
 
 @accepts_foreign_arrays
 def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, seq_lens, query_start_loc=None, *,
-                  scale=None, causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
-                  k_scale=1.0, v_scale=1.0, partials=None):
+                  scale=None, causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None,
+                  softcap=None, k_scale=1.0, v_scale=1.0, partials=None, seqused_k=None):
     """Launch ``plan`` (the main kernel, then the split merge when it splits); returns ``out``. Arguments
     are not validated beyond matching the plan: the ops do that before planning. ``lse``: float32
     ``[num_heads, num_tokens]`` or None; ``partials``: (max_logits, exp_sums, tmp_output) of
-    ``plan.partial_shapes`` (allocated when None)."""
+    ``plan.partial_shapes`` (allocated when None). Visible keys: ``sliding_window`` W (the W most recent) or
+    ``window_size`` (left, right) around a query's position, -1 unbounded, and causal caps the right side at 0;
+    ``seqused_k`` (dense K/V): int32 ``[num_seqs]`` keys used of each sequence's rows."""
     _check_plan(plan, q, kv)
     xp = module_of(q)
     scale = 1.0 / math.sqrt(plan.head_size) if scale is None else scale
@@ -218,7 +230,8 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
         q_token_stride=qs[0], q_head_stride=qs[1], out_token_stride=os_[0], out_head_stride=os_[1],
         table_stride=0 if block_tables is None else element_strides("block_tables", block_tables)[0],
         scale=scale, softcap=softcap or 0.0, k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head,
-        causal=int(causal), window=sliding_window or 0, always_partials=int(plan.always_partials),
+        window_left=window_bounds(causal, sliding_window, window_size)[0],
+        window_right=window_bounds(causal, sliding_window, window_size)[1], always_partials=int(plan.always_partials),
         partials_in_out_type=int(tmp_output is not None and tmp_output.dtype != np.float32),
         num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
         head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
@@ -234,17 +247,18 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
 
     def cost():
         dense = block_tables is None
-        lens = np.diff(seq_lens) if dense else seq_lens
+        lens = seq_lens if not dense else np.diff(seq_lens) if seqused_k is None else seqused_k
         q_lens = np.ones(plan.num_seqs, np.int64) if query_start_loc is None else np.diff(query_start_loc)
         return attention_cost(lens, q_lens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
                               head_size=plan.head_size, v_head_size=plan.v_head_size, kv_itemsize=kv.key.itemsize,
                               q_itemsize=q.itemsize, out_itemsize=out.itemsize,
-                              block_size=None if dense else kv.block_size, causal=causal, window=sliding_window or 0,
+                              block_size=None if dense else kv.block_size,
+                              window=window_bounds(causal, sliding_window, window_size),
                               lse=lse is not None, shared_kv=kv.kind == "mla",
                               query_start_loc=query_start_loc is not None)
 
-    args = (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, sinks, alibi_slopes, k_ptr, v_ptr, out, lse,
-            max_logits, exp_sums, tmp_output, struct_arg(p, xp))
+    args = (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, seqused_k, sinks, alibi_slopes, k_ptr, v_ptr,
+            out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp))
     with op_range(plan.op, label):
         for i, (name, grid, threads, shared_mem) in enumerate(plan.main_launches):
             with declare_launch(xp, plan.op, label, cost) if i == 0 else _OFF:  # the op's cost, declared once
@@ -254,5 +268,5 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
             reduce((plan.num_tokens, plan.num_heads, -(-plan.v_head_size // kernel_constants()["PA_MERGE_COLS"])),
                    (plan.threads,),
                    (out, lse, max_logits, exp_sums, tmp_output, seq_lens, np.int32(block_tables is None),
-                    query_start_loc, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
+                    query_start_loc, seqused_k, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
     return out

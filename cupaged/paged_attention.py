@@ -9,7 +9,8 @@ import math
 import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays
-from cupaged._attention_args import check_head_vector, check_out, check_q, check_softcap, check_tables, validate_tables
+from cupaged._attention_args import (check_head_vector, check_out, check_q, check_softcap, check_tables, check_window,
+                                    validate_tables)
 from cupaged._cache_args import check_scale_values, kv_scale_args
 from cupaged._checks import check_bool, check_choice, check_float, check_optional_int, check_writable, validate_enabled
 from cupaged._backend import array_module, empty
@@ -20,7 +21,7 @@ __all__ = ["paged_attention", "workspace_bytes", "HEAD_BUCKETS", "FAMILY"]
 
 @accepts_foreign_arrays
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
-                    causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
+                    causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None, softcap=None,
                     kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD", kv_split_size=None,
                     max_query_len=None, max_seq_len=None, workspace=None, out=None, return_lse=False, validate=None):
     """Attention of ``q`` ``[num_tokens, num_heads, head_size]`` over a paged KV cache.
@@ -28,7 +29,9 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     ``query_start_loc`` (int32 ``[num_seqs + 1]``) splits the tokens into sequences; ``None`` means
     decode (one query per sequence). Query i of sequence s sits at position
     ``seq_lens[s] - q_len + i`` (bottom-right aligned), so one call serves prefill chunks over a
-    cached prefix and decode tokens alike. Returns ``out`` (and LSE float32 ``[num_heads,
+    cached prefix and decode tokens alike. ``window_size=(left, right)``: FlashAttention's local window (a query at
+    position p sees keys p - left .. p + right, -1 unbounded; causal caps right at 0); not with
+    ``sliding_window``. Returns ``out`` (and LSE float32 ``[num_heads,
     num_tokens]``, natural log, with ``return_lse=True``). See README.md for every argument.
     """
     xp = array_module(q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
@@ -41,9 +44,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                          f"num_kv_heads={kv.num_kv_heads}")
     check_tables(block_tables, seq_lens, query_start_loc, num_tokens)
     causal, return_lse = check_bool("causal", causal), check_bool("return_lse", return_lse)
-    window = check_optional_int("sliding_window", sliding_window, 0) or 0
-    if window and not causal:
-        raise ValueError("sliding_window requires causal=True")
+    window, window_size = check_window(sliding_window, window_size, causal)
     softcap = check_softcap(softcap)
     sinks = check_head_vector("sinks", sinks, num_heads, xp)
     alibi = check_head_vector("alibi_slopes", alibi_slopes, num_heads, xp)
@@ -66,6 +67,6 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                           max_seq_len=max_seq_len, kv_split_size=kv_split_size)
     partials = carve_workspace(workspace, plan)
     run_attention(plan, q, kv, out, lse, block_tables, seq_lens, query_start_loc, scale=scale, causal=causal,
-                  sliding_window=window, sinks=sinks, alibi_slopes=alibi, softcap=softcap, k_scale=k_scale,
+                  sliding_window=window, window_size=window_size, sinks=sinks, alibi_slopes=alibi, softcap=softcap, k_scale=k_scale,
                   v_scale=v_scale, partials=partials)
     return (out, lse) if return_lse else out

@@ -3,7 +3,8 @@
 // Maths, per query row (token t of sequence s at position p = seq_len - q_len + i, head h):
 //   s_j = softcap(scale * q . k_j) - slope_h * |j - p|      for visible keys j
 //   out = sum_j e^{s_j - M} v_j / (sum_j e^{s_j - M} + e^{sink_h - M}),  LSE = M + log(denominator)
-// visible: j < seq_len, j <= p when causal, j > p - window when windowed. fp32 online softmax.
+// visible: j < seq_len and p - window_left <= j <= p + window_right (-1: unbounded; causal: window_right 0). fp32
+// online softmax.
 //
 // Layouts (docs/conventions.md §4), strides in elements; the key cache is addressed as
 //   block * k_block_stride + head * k_head_stride + (d / X) * k_chunk_stride + pos * k_page_stride + d % X
@@ -129,7 +130,9 @@ struct PaParams {
   long long v_block_stride, v_head_stride, v_page_stride, v_dim_stride;
   long long table_stride;
   float scale, softcap, k_scale_value, v_scale_value;
-  int scale_per_head, causal, window, always_partials, partials_in_out_type;
+  int scale_per_head, always_partials, partials_in_out_type;
+  int window_left, window_right;  // a query at position pos sees keys pos - window_left .. pos + window_right (-1: no
+                                  // bound; causal: window_right 0; sliding_window W: window_left W - 1)
   int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits, tiles;
   int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
   int decode_tiles;  // paged_decode_kernel's grid: row tiles of its ROWS (as tiles is paged_attention_kernel's)
@@ -243,17 +246,29 @@ struct PaSeq {
 };
 
 __device__ __forceinline__ PaSeq pa_seq(int seq, int split, const int* block_tables, const int* seq_lens,
-                                        const int* query_start_loc, const PaParams& p) {
+                                        const int* query_start_loc, const int* seqused_k, const PaParams& p) {
   PaSeq s;
   const bool dense = block_tables == nullptr;
   s.key_row0 = dense ? seq_lens[seq] : 0;
-  s.seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
+  s.seq_len = !dense ? seq_lens[seq] : seqused_k ? seqused_k[seq] : seq_lens[seq + 1] - seq_lens[seq];
   s.q_start = query_start_loc ? query_start_loc[seq] : seq;
   s.q_len = query_start_loc ? query_start_loc[seq + 1] - s.q_start : 1;
   s.splits = pa_splits(s.seq_len, p);
   s.split_lo = split * s.splits.size;
   s.split_hi = min(s.seq_len, s.split_lo + s.splits.size) - 1;
   return s;
+}
+
+// The keys 0 .. seq_len - 1 a query at position pos sees: pos - window_left .. pos + window_right, each side
+// unbounded at -1 (an empty range when lo > hi, e.g. a causal query before the first key).
+struct PaRange {
+  int lo, hi;
+};
+
+__device__ __forceinline__ PaRange pa_visible(int pos, int seq_len, const PaParams& p) {
+  const int lo = p.window_left >= 0 && p.window_left < pos ? pos - p.window_left : 0;
+  const int hi = p.window_right >= 0 && p.window_right < seq_len - 1 - pos ? pos + p.window_right : seq_len - 1;
+  return {lo, hi};
 }
 
 template <class T, int KV, int HD, int VHD, bool SHARED_KV>
@@ -264,6 +279,7 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
     const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq], or nullptr: dense varlen keys
     const int* __restrict__ seq_lens,        // [num_seqs] context lengths, or cu_seqlens_k [num_seqs + 1] when dense
     const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
+    const int* __restrict__ seqused_k,       // dense: [num_seqs] keys used of each sequence's rows, or nullptr: all
     const float* __restrict__ sinks,         // [num_heads] or nullptr
     const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale,       // [1] or [num_kv_heads], or nullptr: p.k_scale_value
@@ -290,7 +306,7 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
   const int kv_head = blockIdx.y, seq = blockIdx.z;
   const int split = blockIdx.x / p.tiles;
   const bool dense = block_tables == nullptr;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const long long key_row0 = sq.key_row0;
   const int seq_len = sq.seq_len, q_start = sq.q_start, q_len = sq.q_len;
   const int group = p.num_heads / p.num_kv_heads;
@@ -310,10 +326,9 @@ __global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
         row.token = q_start + i;
         row.head = kv_head * group + (row0 + r) % group;
         const int pos = seq_len - q_len + i;
-        const int hi = p.causal ? pos : seq_len - 1;
-        const int lo = p.window > 0 ? max(0, pos - p.window + 1) : 0;
-        row.lo = max(lo, split_lo);
-        row.hi = min(hi, split_hi);
+        const PaRange vis = pa_visible(pos, seq_len, p);
+        row.lo = max(vis.lo, split_lo);
+        row.hi = min(vis.hi, split_hi);
         row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
         row.sink = sinks ? sinks[row.head] : neg_inf();
       }
@@ -614,8 +629,9 @@ __device__ __forceinline__ PaRow pd_row(int r, int row0, int nrows, int group, i
     row.pos = sq.seq_len - sq.q_len + i;
     row.token = sq.q_start + i;
     row.head = kv_head * group + (row0 + r) % group;
-    row.lo = max(p.window > 0 ? max(0, row.pos - p.window + 1) : 0, sq.split_lo);
-    row.hi = min(p.causal ? row.pos : sq.seq_len - 1, sq.split_hi);
+    const PaRange vis = pa_visible(row.pos, sq.seq_len, p);
+    row.lo = max(vis.lo, sq.split_lo);
+    row.hi = min(vis.hi, sq.split_hi);
     row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
     row.sink = sinks ? sinks[row.head] : neg_inf();
   }
@@ -788,6 +804,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
     const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq], or nullptr: dense varlen keys
     const int* __restrict__ seq_lens,        // [num_seqs], or cu_seqlens_k [num_seqs + 1] when dense
     const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
+    const int* __restrict__ seqused_k,       // dense: [num_seqs] or nullptr
     const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] / [num_kv_heads] or nullptr
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
@@ -799,7 +816,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
   __shared__ PaRow rows[ROWS];
   __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads;
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_attention_kernel's
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
@@ -1026,7 +1043,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // as paged_decode_kernel's
     const typename CacheType<KV, T>::type* __restrict__ value_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
+    const int* __restrict__ seqused_k, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {
@@ -1040,7 +1057,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
   __shared__ __align__(8) float pt[4][160];  // each warp's P^T (pm_at)
   __shared__ __align__(16) T qs[PM_ROWS][HD + 8];  // the tile's q rows (+8: ldmatrix conflict-free)
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads;
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
@@ -1134,7 +1151,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
 // bucket are zero-filled by the copies (src-size), so the mma sums zeros. Row tiles run heaviest first: the last
 // rows of a causal run see the most keys. Every key a stage holds is visible to some row of the CTA or zero-filled
 // past the last, so a masked row's 0 weight only ever meets real values.
-constexpr int PF_ROWS = 64;  // query rows per CTA: the m16 tiles of 4 warps
+constexpr int PF_MAX_ROWS = 128;  // query rows per CTA (head sizes up to 128: 2 m16 tiles a warp; above: 1)
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW-byte rows (ROW a multiple of 128): the chunk's
 // low 3 bits XOR the row's, so ldmatrix's 8 rows at one chunk hit 8 different 16-byte bank groups.
@@ -1143,14 +1160,18 @@ __device__ __forceinline__ int pf_at(int row, int chunk) { return row * ROW + ((
 
 template <class CacheT, int HD, int VHD>
 struct PfSmem {
-  static constexpr int TILE = HD > 128 ? 32 : 64;  // keys per stage (32 above 128: 99 KB GPUs, fewer registers)
+  static constexpr int MW = VHD > 128 ? 1 : 2;     // m16 tiles a warp: K / V fragments serve MW tiles of rows
+  static constexpr int ROWS = 64 * MW;             // query rows a CTA
+  static constexpr int TILE = HD > 64 ? 32 : 64;   // keys per stage: S is MW x TILE / 8 fragments a lane
   static constexpr int K_DIMS = HD, V_DIMS = VHD;
   static constexpr bool PREFETCH = true, VT = false, CONVERT = sizeof(CacheT) == 1;
   static constexpr int UNROLL = 0;
   static constexpr int KROW = HD * int(sizeof(CacheT)), VROW = VHD * int(sizeof(CacheT));  // a stage's rows, bytes
-  static constexpr int STAGE = TILE * (KROW + VROW), STAGES = 2;
-  static constexpr int Q = STAGES * STAGE;                  // [PF_ROWS][HD] of q's type (pf_at)
-  static constexpr int CK = Q + PF_ROWS * HD * 2;           // fp8: the stage's K [TILE][HD] and V [TILE][VHD] in q's
+  static constexpr int STAGE = TILE * (KROW + VROW);
+  static constexpr int FIXED = ROWS * HD * 2 + (CONVERT ? TILE * (HD + VHD) * 2 : 0);  // the q and converted tiles
+  static constexpr int STAGES = 3 * STAGE + FIXED <= 99 * 1024 ? 3 : 2;  // within sm_86 / sm_89's 99 KB
+  static constexpr int Q = STAGES * STAGE;                  // [ROWS][HD] of q's type (pf_at)
+  static constexpr int CK = Q + ROWS * HD * 2;              // fp8: the stage's K [TILE][HD] and V [TILE][VHD] in q's
   static constexpr int CV = CK + (CONVERT ? TILE * HD * 2 : 0);  // type (pf_at)
   static constexpr int BYTES = CV + (CONVERT ? TILE * VHD * 2 : 0);
   // pd_issue's placement: 16-bit rows swizzled as the mma reads them; fp8 codes plain (pf_convert reads them)
@@ -1178,10 +1199,10 @@ __device__ __forceinline__ void pf_convert(unsigned char* ck, unsigned char* cv,
 }
 
 // The row tile's q rows into the swizzled q tile, 8 elements a chunk (zero past head_size and past the last row).
-template <class T, int HD>
+template <class T, int HD, int ROWS>
 __device__ __forceinline__ void pf_load_q(unsigned char* qs, const T* q, int row0, int nrows, int group, int kv_head,
                                           int q_start, const PaParams& p) {
-  for (int i = threadIdx.x; i < PF_ROWS * HD / 8; i += PD_THREADS) {
+  for (int i = threadIdx.x; i < ROWS * HD / 8; i += PD_THREADS) {
     const int r = i / (HD / 8), c = i % (HD / 8), rr = row0 + r;
     const T* qrow = q + (q_start + rr / group) * p.q_token_stride + (kv_head * group + rr % group) * p.q_head_stride;
     unsigned w[4];
@@ -1196,29 +1217,34 @@ __device__ __forceinline__ void pf_load_q(unsigned char* qs, const T* q, int row
   }
 }
 
-// S (the warp's 16 rows x TILE keys) = Q K^T: Q's A fragments by ldmatrix (row l % 16, chunk 2 kk + l / 16), K's B
-// fragments by ldmatrix of its rows (key 16 j + 8 (l / 16) + l % 8, chunk 2 kk + l / 8 % 2: n tiles 2 j, 2 j + 1).
-template <class T, int HD, int TILE>
-__device__ __forceinline__ void pf_scores(float (&s)[TILE / 8][4], const unsigned char* qs, const unsigned char* kt,
-                                          int warp, int lane) {
-  const int qr = 16 * warp + (lane & 15), kr = 8 * (lane >> 4) + (lane & 7);
+// S (the warp's MW m16 tiles of rows x TILE keys) = Q K^T: Q's A fragments by ldmatrix (row l % 16 of m tile mi,
+// chunk 2 kk + l / 16), K's B fragments by ldmatrix of its rows (key 16 j + 8 (l / 16) + l % 8, chunk
+// 2 kk + l / 8 % 2: n tiles 2 j, 2 j + 1), each serving the MW m tiles.
+template <class T, int HD, int TILE, int MW>
+__device__ __forceinline__ void pf_scores(float (&s)[MW][TILE / 8][4], const unsigned char* qs,
+                                          const unsigned char* kt, int warp, int lane) {
+  const int qr = 16 * MW * warp + (lane & 15), kr = 8 * (lane >> 4) + (lane & 7);
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
-    unsigned a[4];
-    tc_ldmatrix_x4(a, qs + pf_at<HD * 2>(qr, 2 * kk + (lane >> 4)));
+    unsigned a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) tc_ldmatrix_x4(a[mi], qs + pf_at<HD * 2>(qr + 16 * mi, 2 * kk + (lane >> 4)));
 #pragma unroll
     for (int j = 0; j < TILE / 16; ++j) {
       unsigned b[4];
       tc_ldmatrix_x4(b, kt + pf_at<HD * 2>(16 * j + kr, 2 * kk + (lane >> 3 & 1)));
-      tc_mma<T>(s[2 * j], a, b[0], b[1]);
-      tc_mma<T>(s[2 * j + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        tc_mma<T>(s[mi][2 * j], a[mi], b[0], b[1]);
+        tc_mma<T>(s[mi][2 * j + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
 
-// Row g + 8 e of the warp's tile of scores (keys key0 + 8 n + h, key0 = the tile's first + 2t): scale, softcap,
-// ALiBi and, when `masked`, the row's visible range; then the online-softmax step: the scores become P = e^{s - m}
-// (0 where masked: selection), (m, l) move on (l over this lane's keys), and the factor that rescales o is returned.
+// Row g + 8 e of one m tile of scores (keys key0 + 8 n + h, key0 = the tile's first + 2t): scale, softcap, ALiBi
+// and, when `masked`, the row's visible range; then the online-softmax step: the scores become P = e^{s - m} (0
+// where masked: selection), (m, l) move on (l over this lane's keys), and the factor that rescales o is returned.
 template <int NT>
 __device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, float& l, const PaRow& row, int key0,
                                             bool masked, float qscale, float softcap) {
@@ -1254,65 +1280,81 @@ __device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, 
 
 // O += P V over the tile's keys: k step kk of P is S's n tiles 2 kk, 2 kk + 1 rounded to T (the C fragments are the
 // A fragments), V's B fragments by ldmatrix.trans of its rows (key 16 kk + l % 16, chunk 2 j + l / 16: n tiles 2 j,
-// 2 j + 1).
-template <class T, int VHD, int TILE>
-__device__ __forceinline__ void pf_values(float (&o)[VHD / 8][4], const float (&s)[TILE / 8][4],
+// 2 j + 1), each serving the MW m tiles.
+template <class T, int VHD, int TILE, int MW>
+__device__ __forceinline__ void pf_values(float (&o)[MW][VHD / 8][4], const float (&s)[MW][TILE / 8][4],
                                           const unsigned char* vt, int lane) {
 #pragma unroll
   for (int kk = 0; kk < TILE / 16; ++kk) {
-    const float* x = s[2 * kk];
-    const float* y = s[2 * kk + 1];
-    const unsigned a[4] = {tc_pack<T>(from_float<T>(x[0]), from_float<T>(x[1])),
-                           tc_pack<T>(from_float<T>(x[2]), from_float<T>(x[3])),
-                           tc_pack<T>(from_float<T>(y[0]), from_float<T>(y[1])),
-                           tc_pack<T>(from_float<T>(y[2]), from_float<T>(y[3]))};
+    unsigned a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      const float* x = s[mi][2 * kk];
+      const float* y = s[mi][2 * kk + 1];
+      a[mi][0] = tc_pack<T>(from_float<T>(x[0]), from_float<T>(x[1]));
+      a[mi][1] = tc_pack<T>(from_float<T>(x[2]), from_float<T>(x[3]));
+      a[mi][2] = tc_pack<T>(from_float<T>(y[0]), from_float<T>(y[1]));
+      a[mi][3] = tc_pack<T>(from_float<T>(y[2]), from_float<T>(y[3]));
+    }
 #pragma unroll
     for (int j = 0; j < VHD / 16; ++j) {
       unsigned b[4];
       tc_ldmatrix_x4_trans(b, vt + pf_at<VHD * 2>(16 * kk + (lane & 15), 2 * j + (lane >> 4)));
-      tc_mma<T>(o[2 * j], a, b[0], b[1]);
-      tc_mma<T>(o[2 * j + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        tc_mma<T>(o[mi][2 * j], a[mi], b[0], b[1]);
+        tc_mma<T>(o[mi][2 * j + 1], a[mi], b[2], b[3]);
+      }
     }
   }
 }
 
-// The end of a prefill row tile: each lane's two rows (their sums over the quad first), written as a split's
+// The end of a prefill row tile: each lane's 2 MW rows (their sums over the quad first), written as a split's
 // partials or finished with the sink and the LSE, as pd_store does; o carries the V scale `oscale` still.
-template <class T, int VHD>
-__device__ __forceinline__ void pf_store(const float (&o)[VHD / 8][4], const float (&m)[2], float (&l)[2],
-                                         const PaRow* rows, int nrows, int split, int num_splits, int seq_len,
-                                         float oscale, T* out, float* lse, float* max_logits, float* exp_sums,
-                                         void* tmp_output, const PaParams& p) {
+template <class T, int VHD, int MW>
+__device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const float (&m)[MW][2],
+                                         float (&l)[MW][2], const PaRow* rows, int nrows, int split, int num_splits,
+                                         int seq_len, float oscale, T* out, float* lse, float* max_logits,
+                                         float* exp_sums, void* tmp_output, const PaParams& p) {
   const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
-    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
-  }
+  for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int r = 16 * warp + g + 8 * e;
-    if (r >= nrows) continue;
-    const PaRow row = rows[r];
-    const long long th = (long long)row.token * p.num_heads + row.head;
-    const SoftmaxFinish fin = softmax_finish(m[e], l[e], row.sink);
-    const float fp = oscale * (l[e] > 0.0f ? 1.0f / l[e] : 0.0f), fo = oscale * fin.scale;
+    for (int e = 0; e < 2; ++e) {
+      l[mi][e] += __shfl_xor_sync(0xffffffffu, l[mi][e], 1);
+      l[mi][e] += __shfl_xor_sync(0xffffffffu, l[mi][e], 2);
+    }
 #pragma unroll
-    for (int n = 0; n < VHD / 8; ++n)
+  for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int d = 8 * n + 2 * t + h;
-        if (d >= p.v_head_size) continue;
-        if (partial)
-          pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, o[n][2 * e + h] * fp,
-                              p.partials_in_out_type);
-        if (num_splits == 1)
-          out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(o[n][2 * e + h] * fo);
+    for (int e = 0; e < 2; ++e) {
+      const int r = 16 * (MW * warp + mi) + g + 8 * e;
+      if (r >= nrows) continue;
+      const PaRow row = rows[r];
+      const long long th = (long long)row.token * p.num_heads + row.head;
+      const float lv = l[mi][e];
+      const SoftmaxFinish fin = softmax_finish(m[mi][e], lv, row.sink);
+      const float fp = oscale * (lv > 0.0f ? 1.0f / lv : 0.0f), fo = oscale * fin.scale;
+#pragma unroll
+      for (int n = 0; n < VHD / 8; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int d = 8 * n + 2 * t + h;
+          const float x = o[mi][n][2 * e + h];
+          if (d >= p.v_head_size) continue;
+          if (partial)
+            pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, x * fp,
+                                p.partials_in_out_type);
+          if (num_splits == 1) out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] =
+                                   from_float<T>(x * fo);
+        }
+      if (t == 0 && partial) {
+        max_logits[th * p.max_splits + split] = m[mi][e];
+        exp_sums[th * p.max_splits + split] = lv;
       }
-    if (t == 0 && partial) { max_logits[th * p.max_splits + split] = m[e]; exp_sums[th * p.max_splits + split] = l[e]; }
-    if (t == 0 && num_splits == 1 && lse) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
-  }
+      if (t == 0 && num_splits == 1 && lse) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
+    }
 }
 
 template <class T, int KV, int HD, int VHD>
@@ -1321,36 +1363,36 @@ __global__ void __launch_bounds__(PD_THREADS, 2) paged_prefill_kernel(
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
+    const int* __restrict__ seqused_k, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
   typedef typename CacheType<KV, T>::type CacheT;
   typedef PfSmem<CacheT, HD, VHD> S;
-  constexpr int TILE = S::TILE;
+  constexpr int TILE = S::TILE, MW = S::MW, ROWS = S::ROWS;
   extern __shared__ __align__(128) unsigned char pf_smem[];
-  __shared__ PaRow rows[PF_ROWS];
+  __shared__ PaRow rows[ROWS];
   __shared__ int ids[S::STAGES][TILE + 1];
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
   if (sq.q_len <= p.decode_max_q || split >= sq.splits.count) return;  // a decode kernel's, or idle
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2;
   const float qscale = p.scale * pd_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
-  const int ntiles = (all_rows + PF_ROWS - 1) / PF_ROWS;
+  const int ntiles = (all_rows + ROWS - 1) / ROWS;
   for (int it = blockIdx.x % p.tiles; it < ntiles; it += p.tiles) {  // p.tiles apart: rows past the hint too
-    const int row0 = (ntiles - 1 - it) * PF_ROWS, nrows = min(PF_ROWS, all_rows - row0);  // heaviest first
-    if (threadIdx.x < PF_ROWS) rows[threadIdx.x] = pd_row(threadIdx.x, row0, nrows, group, kv_head, sq, sinks,
-                                                          alibi_slopes, p);
-    pf_load_q<T, HD>(pf_smem + S::Q, q, row0, nrows, group, kv_head, sq.q_start, p);  // pd_pipeline publishes it
+    const int row0 = (ntiles - 1 - it) * ROWS, nrows = min(ROWS, all_rows - row0);  // heaviest first
+    for (int r = threadIdx.x; r < ROWS; r += PD_THREADS)
+      rows[r] = pd_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+    pf_load_q<T, HD, ROWS>(pf_smem + S::Q, q, row0, nrows, group, kv_head, sq.q_start, p);  // pd_pipeline publishes
     __syncthreads();
     int lo = 0x7fffffff, hi = -1;                // the union of the rows' visible keys: the only ones loaded
     int wlo = 0x7fffffff, whi = -1;              // the union of this warp's rows'
     int all_lo = 0, all_hi = 0x7fffffff;         // keys every row of this warp sees
     for (int r = 0; r < nrows; ++r) {
       const PaRow& row = rows[r];
-      const bool mine = r / 16 == warp;
+      const bool mine = r / (16 * MW) == warp;
       if (row.lo <= row.hi) {
         lo = min(lo, row.lo);
         hi = max(hi, row.hi);
@@ -1358,9 +1400,14 @@ __global__ void __launch_bounds__(PD_THREADS, 2) paged_prefill_kernel(
       }
       if (mine) { all_lo = max(all_lo, row.lo); all_hi = min(all_hi, row.hi); }
     }
-    float o[VHD / 8][4], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};  // rows g, g + 8 of the warp's
+    float o[MW][VHD / 8][4], m[MW][2], l[MW][2];  // rows g, g + 8 of the warp's m tiles
 #pragma unroll
-    for (int n = 0; n < VHD / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int mi = 0; mi < MW; ++mi) {
+      m[mi][0] = m[mi][1] = neg_inf();
+      l[mi][0] = l[mi][1] = 0.0f;
+#pragma unroll
+      for (int n = 0; n < VHD / 8; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
+    }
     pd_pipeline<S>(pf_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
       pd_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
@@ -1372,20 +1419,27 @@ __global__ void __launch_bounds__(PD_THREADS, 2) paged_prefill_kernel(
         vt = pf_smem + S::CV;
       }
       if (base > whi || base + TILE - 1 < wlo) return;  // none of the warp's rows sees these keys (warp-uniform)
-      float s[TILE / 8][4];
+      float s[MW][TILE / 8][4];
 #pragma unroll
-      for (int n = 0; n < TILE / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-      pf_scores<T, HD, TILE>(s, pf_smem + S::Q, kt, warp, lane);
+      for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+        for (int n = 0; n < TILE / 8; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.0f;
+      pf_scores<T, HD, TILE, MW>(s, pf_smem + S::Q, kt, warp, lane);
       const bool masked = base < all_lo || base + TILE - 1 > all_hi;  // the diagonal, window edges, the last tile
-      const int g = lane >> 2, key0 = base + 2 * (lane & 3);
-      const float a0 = pf_softmax(s, 0, m[0], l[0], rows[16 * warp + g], key0, masked, qscale, p.softcap);
-      const float a1 = pf_softmax(s, 1, m[1], l[1], rows[16 * warp + g + 8], key0, masked, qscale, p.softcap);
+      const int key0 = base + 2 * (lane & 3);
 #pragma unroll
-      for (int n = 0; n < VHD / 8; ++n) { o[n][0] *= a0; o[n][1] *= a0; o[n][2] *= a1; o[n][3] *= a1; }
-      pf_values<T, VHD, TILE>(o, s, vt, lane);
+      for (int mi = 0; mi < MW; ++mi) {
+        const PaRow* wr = rows + 16 * (MW * warp + mi) + g;
+        const float a0 = pf_softmax(s[mi], 0, m[mi][0], l[mi][0], wr[0], key0, masked, qscale, p.softcap);
+        const float a1 = pf_softmax(s[mi], 1, m[mi][1], l[mi][1], wr[8], key0, masked, qscale, p.softcap);
+#pragma unroll
+        for (int n = 0; n < VHD / 8; ++n) { o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1; }
+      }
+      pf_values<T, VHD, TILE, MW>(o, s, vt, lane);
     });
-    pf_store<T, VHD>(o, m, l, rows, nrows, split, sq.splits.count, sq.seq_len,
-                     pd_scale<KV>(v_scale, p.v_scale_value, kv_head, p), out, lse, max_logits, exp_sums, tmp_output, p);
+    pf_store<T, VHD, MW>(o, m, l, rows, nrows, split, sq.splits.count, sq.seq_len,
+                         pd_scale<KV>(v_scale, p.v_scale_value, kv_head, p), out, lse, max_logits, exp_sums,
+                         tmp_output, p);
     __syncthreads();  // the next row tile rewrites rows and the q tile
   }
 }
@@ -1616,6 +1670,7 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
     const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens,        // [num_seqs]
     const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
+    const int* __restrict__ seqused_k,       // dense: [num_seqs] or nullptr
     const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] or nullptr
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
@@ -1626,10 +1681,11 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
   extern __shared__ __align__(16) unsigned char md_smem[];
   __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
   const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, head0 = blockIdx.x % p.decode_tiles * S::ROWS;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   if (sq.q_len > p.decode_max_q || sq.q_len == 0 || split >= sq.splits.count) return;  // another kernel's
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, token = sq.q_start, pos = sq.seq_len - 1;
-  const int lo = max(p.window > 0 ? max(0, pos - p.window + 1) : 0, sq.split_lo), hi = min(pos, sq.split_hi);
+  const PaRange vis = pa_visible(pos, sq.seq_len, p);
+  const int lo = max(vis.lo, sq.split_lo), hi = min(vis.hi, sq.split_hi);
   const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, 0, 0));
   const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, 0, 0);
   unsigned qa[9][4];  // A fragments of m tile warp / 4 over k16 steps 9 (warp % 4) .. + 8
@@ -1691,6 +1747,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     const int* __restrict__ seq_lens,        // [num_seqs], or cu_seqlens_k [num_seqs + 1] (dense)
     int dense,
     const int* __restrict__ query_start_loc, // [num_seqs + 1] or nullptr
+    const int* __restrict__ seqused_k,       // dense: [num_seqs] or nullptr
     const float* __restrict__ sinks,         // [num_heads] or nullptr
     PaParams p, int num_seqs) {
   const int token = blockIdx.x, head = blockIdx.y;
@@ -1704,7 +1761,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     seq = lo;
     if (token >= query_start_loc[num_seqs]) return;
   }
-  const int seq_len = dense ? seq_lens[seq + 1] - seq_lens[seq] : seq_lens[seq];
+  const int seq_len = !dense ? seq_lens[seq] : seqused_k ? seqused_k[seq] : seq_lens[seq + 1] - seq_lens[seq];
   const int num_splits = pa_splits(seq_len, p).count;
   if (num_splits <= 1) return;  // finished by the main kernel
   const long long th = (long long)token * p.num_heads + head;

@@ -28,14 +28,16 @@ def test_decode_cost_by_hand():
     assert c.flops == 2 * 16 * 4 * (5 + 3)
 
 
-@pytest.mark.parametrize("causal, window, keys, pairs", [
-    (True, 0, 10, 7 + 8 + 9 + 10),   # queries at positions 6..9 see keys 0..p
-    (True, 3, 6, 4 * 3),             # each sees its 3 most recent keys; together keys 4..9
-    (True, 8, 10, 7 + 8 + 8 + 8),    # positions 6..9: min(p + 1, 8)
-    (False, 0, 10, 4 * 10),
+@pytest.mark.parametrize("window, keys, pairs", [
+    ((-1, 0), 10, 7 + 8 + 9 + 10),   # causal: queries at positions 6..9 see keys 0..p
+    ((2, 0), 6, 4 * 3),              # each sees its 3 most recent keys; together keys 4..9
+    ((7, 0), 10, 7 + 8 + 8 + 8),     # positions 6..9: min(p + 1, 8)
+    ((-1, -1), 10, 4 * 10),
+    ((1, 1), 5, 3 + 3 + 3 + 2),      # p - 1 .. p + 1 within 0..9: keys 5..9
+    ((0, 2), 4, 3 + 3 + 2 + 1),      # p .. p + 2: keys 6..9
 ])
-def test_visible_pairs_of_a_prefill_chunk(causal, window, keys, pairs):
-    k, p = visible_pairs([10], [4], causal, window)
+def test_visible_pairs_of_a_prefill_chunk(window, keys, pairs):
+    k, p = visible_pairs([10], [4], window)
     assert (int(k[0]), int(p[0])) == (keys, pairs)
 
 

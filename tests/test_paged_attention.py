@@ -37,6 +37,7 @@ class Case:
     kv_cache_dtype: str = "auto"
     causal: bool = True
     window: int | None = None
+    window_size: tuple | None = None  # FlashAttention's (left, right)
     softcap: float | None = None
     sinks: bool = False
     alibi: bool = False
@@ -47,7 +48,7 @@ class Case:
     def id(self):
         fields = [f"h{self.heads[0]}-{self.heads[1]}", f"d{self.head_size}", f"bs{self.block_size}",
                   "x".join(f"{q}-{s}" for q, s in self.seqs), np.dtype(self.dtype).name, self.layout]
-        for name in ("kv_cache_dtype", "window", "softcap", "kv_split_size"):
+        for name in ("kv_cache_dtype", "window", "window_size", "softcap", "kv_split_size"):
             value = getattr(self, name)
             if value not in (None, "auto"):
                 fields.append(f"{name}={value}")
@@ -74,7 +75,7 @@ def build(case: Case, seed=0):
     alibi = (2.0 ** -np.arange(1, num_heads + 1) * 4).astype(np.float32) if case.alibi else None
     inputs = dict(q=q, key_cache=kv.key_cache, value_cache=kv.value_cache, block_tables=kv.block_tables,
                   seq_lens=kv.seq_lens, query_start_loc=qsl)
-    options = dict(causal=case.causal, sliding_window=case.window, sinks=sinks, alibi_slopes=alibi,
+    options = dict(causal=case.causal, sliding_window=case.window, window_size=case.window_size, sinks=sinks, alibi_slopes=alibi,
                    softcap=case.softcap, kv_cache_dtype=case.kv_cache_dtype, k_scale=kv.k_scale, v_scale=kv.v_scale,
                    layout=case.layout)
     return inputs, options, reference.paged_attention(**inputs, **options)
@@ -140,6 +141,22 @@ COVERING = [
     # split-KV
     C(kv_split_size=64), C(kv_split_size=100, sinks=True), C(kv_split_size=1000, seqs=SHAPE_DECODE),
     C(kv_split_size=32, window=64, seqs=SHAPE_DECODE, sinks=True), C(kv_split_size=1, seqs=((1, 5), (3, 7))),
+    # long prefill runs (paged_prefill_kernel for 16-bit q): awkward lengths, chunks continuing a cached prefix,
+    # GQA 1 / 4 / 8, head sizes below their bucket, block sizes 8 / 48 / 96, fp8 with both scale kinds, splits
+    C(heads=(8, 2), seqs=((17, 17), (63, 100), (64, 64), (65, 300), (1, 40)), dtype=BF16),
+    C(heads=(4, 4), head_size=72, block_size=8, seqs=((65, 65), (17, 80))),
+    C(heads=(8, 1), head_size=96, block_size=48, seqs=((64, 200), (63, 63)), dtype=BF16, layout="HND", sinks=True),
+    C(heads=(4, 1), head_size=112, block_size=96, seqs=((65, 65), (20, 130)), kv_cache_dtype="fp8_e4m3",
+      per_head_scales=True),
+    C(heads=(4, 2), head_size=120, seqs=((33, 40), (70, 75)), kv_cache_dtype="fp8_e5m2", dtype=BF16, alibi=True),
+    C(heads=(2, 1), head_size=192, seqs=((40, 2100),), kv_cache_dtype="fp8_e5m2", window=700, softcap=30.0),
+    C(heads=(2, 2), head_size=256, seqs=((130, 200),), kv_cache_dtype="fp8_e4m3", dtype=BF16, kv_split_size=64),
+    C(heads=(4, 1), head_size=64, seqs=((1000, 1000),), dtype=BF16, layout="HND"),
+    # FlashAttention's window_size: bottom-right aligned, both sides, causal (right capped at 0) or not
+    C(window_size=(50, 20), causal=False, seqs=((65, 65), (17, 200), (1, 90))),
+    C(window_size=(30, -1), causal=False, dtype=BF16, seqs=((70, 100),), kv_split_size=40),
+    C(window_size=(-1, 3), causal=False, dtype=F32, seqs=((20, 30), (1, 20))),
+    C(window_size=(100, 5), sinks=True, seqs=((130, 400), (1, 300))),
 ]
 
 
@@ -252,6 +269,8 @@ BAD_INPUTS = {
     "decode token count": (lambda a: {"query_start_loc": None}, ValueError, "num_tokens"),
     "window without causal": (lambda a: {"sliding_window": 8, "causal": False}, ValueError, "sliding_window"),
     "negative window": (lambda a: {"sliding_window": -1}, ValueError, "sliding_window"),
+    "both windows": (lambda a: {"sliding_window": 8, "window_size": (4, 0)}, ValueError, "window_size"),
+    "window_size of 3": (lambda a: {"window_size": (1, 2, 3)}, ValueError, "window_size"),
     "softcap": (lambda a: {"softcap": -1.0}, ValueError, "softcap"),
     "sinks dtype": (lambda a: {"sinks": np.zeros(4)}, TypeError, "sinks"),
     "sinks shape": (lambda a: {"sinks": np.zeros(2, np.float32)}, ValueError, "sinks"),

@@ -67,6 +67,12 @@ BAD = {
     "cu length": (lambda a: {"cu_seqlens_k": a["cu_seqlens_k"][:2]}, ValueError, "cu_seqlens"),
     "out shape": (lambda a: {"out": np.zeros((33, 4, 64), F16)}, ValueError, "out"),
     "v head 512": (lambda a: {"v": np.zeros((40, 2, 512), F16)}, NotImplementedError, "v_head_size"),
+    "window_size one int": (lambda a: {"window_size": 4}, ValueError, "window_size"),
+    "window_size -2": (lambda a: {"window_size": (-2, 0)}, ValueError, "window_size"),
+    "seqused_k dtype": (lambda a: {"seqused_k": np.array([3, 4], np.int64)}, TypeError, "seqused_k"),
+    "seqused_k length": (lambda a: {"seqused_k": np.array([3], np.int32)}, ValueError, "seqused_k"),
+    "sinks length": (lambda a: {"sinks": np.zeros(3, np.float32)}, ValueError, "sinks"),
+    "softcap < 0": (lambda a: {"softcap": -1.0}, ValueError, "softcap"),
 }
 
 
@@ -79,6 +85,53 @@ def test_bad_input(backend, case):
     a = {name: backend.asarray(x) if isinstance(x, np.ndarray) else x for name, x in a.items()}
     with pytest.raises(exc, match=match):
         cupaged.varlen_attention(**a)
+
+
+# FlashAttention's options on long runs (the tensor-core prefill kernel for 16-bit q, paged_attention_kernel for
+# float32): bottom-right aligned windows on both sides, causal or not, softcap, ALiBi, sinks and seqused_k, whose
+# count also sets the queries' positions. Lengths: 17, 63, 64, 65 and 130 query rows over longer key runs.
+OPTIONS = {
+    "window (5, 3) full": dict(causal=False, window_size=(5, 3)),
+    "window (0, 0) full": dict(causal=False, window_size=(0, 0)),
+    "window (-1, 7) full": dict(causal=False, window_size=(-1, 7)),
+    "window (40, 9) causal": dict(causal=True, window_size=(40, 9)),  # causal caps the right side at 0
+    "softcap alibi sinks": dict(causal=True, softcap=20.0, alibi=True, sinks=True),
+    "seqused_k": dict(causal=True, seqused=True),
+    "seqused_k window full": dict(causal=False, seqused=True, window_size=(9, 2), sinks=True),
+}
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=list(OPTIONS))
+@pytest.mark.parametrize("dtype, heads, qk, vd", [(BF16, (8, 2), 192, 128), (F16, (4, 1), 128, 128),
+                                                  (F32, (2, 2), 64, 64)], ids=["bf16-192x128", "f16-mqa", "f32"])
+def test_flash_attention_options(backend, option, dtype, heads, qk, vd):
+    rng = np.random.default_rng(len(option) + qk)
+    opt = dict(OPTIONS[option])
+    lq, lk = [17, 63, 64, 65, 130], [40, 63, 100, 65, 150]
+    q, k, v, cq, ck = make(rng, lq, lk, heads, qk, vd, dtype)
+    used = rng.integers(np.minimum(lq, lk) // 2, np.array(lk) + 1).astype(np.int32) if opt.pop("seqused", False) else None
+    if used is not None:
+        k, v = k.copy(), v.copy()
+        for b, n in enumerate(used):  # rows past the used count: NaN, never read
+            k[ck[b] + n:ck[b + 1]] = np.nan
+            v[ck[b] + n:ck[b + 1]] = np.nan
+    extra = dict(sinks=rng.uniform(-1, 3, heads[0]).astype(np.float32) if opt.pop("sinks", False) else None,
+                 alibi_slopes=(2.0 ** -np.arange(1, heads[0] + 1)).astype(np.float32) if opt.pop("alibi", False)
+                 else None, seqused_k=used, **opt)
+    args = [backend.asarray(a) for a in (q, k, v, cq, ck)]
+    out, lse = cupaged.varlen_attention(*args, return_lse=True, validate=True,
+                                        **{n: backend.asarray(x) if isinstance(x, np.ndarray) else x
+                                           for n, x in extra.items()})
+    ref_out, ref_lse = reference.varlen_attention(q, k, v, cq, ck, **extra)
+    assert_close(backend.to_numpy(out), ref_out, dtype, "out")
+    assert_close(backend.to_numpy(lse), ref_lse, "lse", "lse")
+
+
+def test_validate_checks_seqused_k(backend):
+    q, k, v, cq, ck = make(np.random.default_rng(3), [3, 30], [10, 30], (4, 2), 64, 32, F16)
+    with pytest.raises(ValueError, match="seqused_k"):
+        cupaged.varlen_attention(*(backend.asarray(a) for a in (q, k, v, cq, ck)),
+                                 seqused_k=backend.asarray(np.array([3, 31], np.int32)), validate=True)
 
 
 def test_validate_checks_cu_seqlens(backend):

@@ -31,10 +31,11 @@ def dense_kv(key_cache, value_cache, block_table_row, seq_len, *, layout="NHD", 
     return k.astype(np.float64), v.astype(np.float64)
 
 
-def attention_rows(q, k, v, positions, *, scale, causal=True, sliding_window=None, sink=None, alibi_slope=None,
-                   softcap=None, key_offset=0):
+def attention_rows(q, k, v, positions, *, scale, causal=True, sliding_window=None, window_size=None, sink=None,
+                   alibi_slope=None, softcap=None, key_offset=0):
     """Two-pass softmax attention of query rows q [n, D] at ``positions`` over keys k/v [L, D]
-    (key j at position key_offset + j). Returns (out [n, Dv] float64, lse [n] float64)."""
+    (key j at position key_offset + j). ``window_size`` (left, right): FlashAttention's window, a query at p
+    sees keys p - left .. p + right, -1 unbounded. Returns (out [n, Dv] float64, lse [n] float64)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     key_pos = key_offset + np.arange(k.shape[0])
     pos = np.asarray(positions)[:, None]
@@ -43,6 +44,11 @@ def attention_rows(q, k, v, positions, *, scale, causal=True, sliding_window=Non
         visible &= key_pos[None, :] <= pos
     if sliding_window:
         visible &= key_pos[None, :] > pos - sliding_window
+    left, right = window_size if window_size is not None else (-1, -1)
+    if left >= 0:
+        visible &= key_pos[None, :] >= pos - left
+    if right >= 0:
+        visible &= key_pos[None, :] <= pos + right
     with np.errstate(invalid="ignore", over="ignore"):
         logits = scale * (q @ np.where(visible.any(axis=0)[:, None], k, 0.0).T)
         if softcap:
@@ -64,7 +70,7 @@ def attention_rows(q, k, v, positions, *, scale, causal=True, sliding_window=Non
 
 
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
-                    causal=True, sliding_window=None, sinks=None, alibi_slopes=None, softcap=None,
+                    causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None, softcap=None,
                     kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD"):
     """(out [num_tokens, num_heads, head_size] float64, lse [num_heads, num_tokens] float64): gather
     each sequence's K/V densely, then attention_rows per head. Positions are bottom-right aligned."""
@@ -83,7 +89,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         positions = seq_len - (t1 - t0) + np.arange(t1 - t0)
         for h in range(num_heads):
             o, l = attention_rows(q[t0:t1, h], k[:, h // group], v[:, h // group], positions, scale=scale,
-                                  causal=causal, sliding_window=sliding_window,
+                                  causal=causal, sliding_window=sliding_window, window_size=window_size,
                                   sink=None if sinks is None else np.asarray(sinks)[h],
                                   alibi_slope=None if alibi_slopes is None else np.asarray(alibi_slopes)[h],
                                   softcap=softcap)
@@ -126,9 +132,10 @@ def paged_attention_v2_partitions(query, key_cache, value_cache, scale, block_ta
     return exp_sums, max_logits, tmp
 
 
-def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=True):
-    """FlashAttention varlen semantics (bottom-right causal alignment): (out float64 [total_q,
-    num_heads, v_head_size], lse float64 [num_heads, total_q])."""
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=True, window_size=None, softcap=None,
+                     alibi_slopes=None, sinks=None, seqused_k=None):
+    """FlashAttention varlen semantics (bottom-right alignment against each sequence's key count, which is
+    ``seqused_k[b]`` when given): (out float64 [total_q, num_heads, v_head_size], lse float64 [num_heads, total_q])."""
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     total_q, num_heads, _ = q.shape
     scale = 1.0 / np.sqrt(q.shape[2]) if scale is None else scale
@@ -137,11 +144,14 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     lse = np.full((num_heads, total_q), -np.inf)
     group = num_heads // k.shape[1]
     for b in range(len(cq) - 1):
-        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        q0, q1, k0 = cq[b], cq[b + 1], ck[b]
+        k1 = ck[b + 1] if seqused_k is None else k0 + int(np.asarray(seqused_k)[b])
         positions = (k1 - k0) - (q1 - q0) + np.arange(q1 - q0)
         for h in range(num_heads):
             o, l = attention_rows(q[q0:q1, h], k[k0:k1, h // group], v[k0:k1, h // group], positions, scale=scale,
-                                  causal=causal)
+                                  causal=causal, window_size=window_size, softcap=softcap,
+                                  sink=None if sinks is None else np.asarray(sinks)[h],
+                                  alibi_slope=None if alibi_slopes is None else np.asarray(alibi_slopes)[h])
             out[q0:q1, h], lse[h, q0:q1] = o, l
     return out, lse
 
