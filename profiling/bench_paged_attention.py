@@ -5,8 +5,10 @@ op's declared minimum bytes, cupaged/_cost.py, / time), % of the H200 spec bandw
 device-to-device copy measured in the same run, TFLOP/s; model rows a ``--model`` run cached are
 printed beside. ``--model`` (sim, no GPU): the H200 model projected to these production shapes
 (profiling/_model.py): decode 64 x 4096 with 32/8 and 64/8 heads,
-head 128, fp16 / bf16 / fp8_e4m3; decode 1 x 32768 32/8 fp16; prefill 8 x 2048 causal 32/8 bf16
-(``--sweep`` adds decode contexts 512..16384 and prefill lengths 512 and 1024). Without either: a
+head 128, fp16 / bf16 / fp8_e4m3; decode 1 x 32768 32/8 fp16; prefill 8 x 2048 causal 32/8 bf16; varlen 4 x 4096
+non-causal, 128 heads, QK 192 / V 128 bf16 (MLA prefill's shape); a mixed batch of 4 prefill chunks of 512 and 256
+decode tokens (contexts 2048, 32/8 heads, bf16) beside its two halves alone (``--sweep`` adds decode contexts
+512..16384 and prefill lengths 512 and 1024). Without either: a
 smoke run of tiny sizes on the sim (CPU timings of the simulator, not GPU timings).
 
     python profiling/bench_paged_attention.py [--json out.json] [--model [--sweep]] [--quick]
@@ -105,6 +107,63 @@ def project(s: dict, subset: int, block_stride) -> dict:
     return _model.project(s, run, cost(s), s["batch"] // subset, block_stride, warm=splits)
 
 
+MIXED = dict(chunks=4, chunk=512, decodes=256, context=2048, heads=32, kv_heads=8, kv_dtype="bf16")
+
+
+def mixed_batches(m=MIXED) -> dict:
+    """(q_lens, contexts) of the mixed batch and of its prefill and decode halves alone."""
+    prefill = [m["chunk"]] * m["chunks"], [m["context"]] * m["chunks"]
+    decode = [1] * m["decodes"], [m["context"]] * m["decodes"]
+    return {"mixed": (prefill[0] + decode[0], prefill[1] + decode[1]), "prefill": prefill, "decode": decode}
+
+
+def project_ragged(name: str, q_lens, contexts, m=MIXED) -> dict:
+    """Model row of a ragged paged batch (every sequence given a query_start_loc run), run whole on the sim with one
+    CTA a (sequence, kv head) profiled along each row-tile axis of 16 (the chunks' tiles all see ~ the same keys)."""
+    dtype, kv_cache_dtype = DTYPES[m["kv_dtype"]]
+    rng = np.random.default_rng(0)
+    kv = paged_kv(contexts, block_size=BLOCK, head_size=HEAD, num_kv_heads=m["kv_heads"], dtype=dtype, rng=rng)
+    q = rng.standard_normal((sum(q_lens), m["heads"], HEAD), np.float32).astype(dtype)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+    def run():
+        cupaged.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                max_query_len=max(q_lens), max_seq_len=max(contexts))
+
+    s = shape(name, len(q_lens), max(contexts), max(q_lens), m["heads"], m["kv_heads"], HEAD, m["kv_dtype"])
+    c = attention_cost(np.array(contexts), np.array(q_lens), num_heads=m["heads"], num_kv_heads=m["kv_heads"],
+                       head_size=HEAD, v_head_size=HEAD, kv_itemsize=np.dtype(dtype).itemsize,
+                       q_itemsize=np.dtype(dtype).itemsize, out_itemsize=np.dtype(dtype).itemsize, block_size=BLOCK)
+    return _model.project(s, run, c, 1, (16, m["kv_heads"], 1))
+
+
+def project_varlen(batch=4, length=4096, heads=128, qk=192, vd=128, subset_heads=8) -> dict:
+    """Model row of varlen_attention (dense rows, non-causal, MLA prefill's 192 / 128): one sequence of ``length``
+    with ``subset_heads`` heads run (every CTA does the same work), one CTA profiled, scaled to the batch's grid."""
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((length, subset_heads, qk), np.float32) * 0.3).astype(bf16)
+    k = rng.standard_normal((length, subset_heads, qk), np.float32).astype(bf16)
+    v = rng.standard_normal((length, subset_heads, vd), np.float32).astype(bf16)
+    cu = np.array([0, length], np.int32)
+
+    def run():
+        cupaged.varlen_attention(q, k, v, cu, cu, causal=False, max_seqlen_q=length)
+
+    s = dict(shape("varlen", batch, length, length, heads, heads, qk, "bf16", causal=False), v_head_size=vd)
+    c = attention_cost(np.full(batch, length), np.full(batch, length), num_heads=heads, num_kv_heads=heads,
+                       head_size=qk, v_head_size=vd, kv_itemsize=2, q_itemsize=2, out_itemsize=2, block_size=None,
+                       causal=False)
+    return _model.project(s, run, c, batch * heads // subset_heads, (length // 128, subset_heads, 1))
+
+
+def model_rows(sweep: bool) -> list:
+    rows = [project(*m) for m in model_shapes(sweep)]
+    rows.append(project_varlen())
+    rows += [project_ragged(name, *batch) for name, batch in mixed_batches().items()]
+    return rows
+
+
 def model_shapes(sweep: bool):
     """(shape, profiled sequences, block stride): a sample of one CTA per (sequence, split) at most."""
     for heads, kv in itertools.product((32, 64), ("fp16", "bf16", "fp8_e4m3")):
@@ -166,7 +225,7 @@ def main(argv=None):
         rows, meta = measured_rows(cp, args.quick)
         _model.finish_measured("paged_attention", rows, args.json, **meta)
     elif args.model:
-        _model.finish_model("paged_attention", [project(*m) for m in model_shapes(args.sweep)], args.json)
+        _model.finish_model("paged_attention", model_rows(args.sweep), args.json)
     else:
         table = []
         for s in (shape("decode", 4, 300, 1, 8, 2, 64, "fp16"), shape("decode", 4, 300, 1, 8, 2, 64, "fp8"),

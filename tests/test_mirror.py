@@ -1,6 +1,7 @@
 """The Python mirrors of kernel constants and parameter structs (cupaged/_mirror.py) against what the
 compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field, PaSmem's size, the decode
-kernels' PdSmem and PmSmem (every cache element size and head bucket) and the MLA decode kernel's MdSmem."""
+kernels' PdSmem and PmSmem (every cache element size and head bucket), the MLA decode kernel's MdSmem and the
+prefill kernel's PfSmem (its bytes, rows a CTA and keys a stage)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,20 @@ def _probe_source() -> tuple:
     mla = [(c, size, mt) for c, size in (("unsigned char", 1), ("__half", 2)) for mt in kernels.MLA_TILES]
     at = 1 + len(fields) + len(smem) + len(decode)
     lines += [f"  out[{at + i}] = cupaged::MdSmem<{c}, {mt}>::BYTES;" for i, (c, _, mt) in enumerate(mla)]
+    prefill = [(c, size, hd, vhd) for c, size in (("unsigned char", 1), ("__half", 2))
+               for hd, vhd in kernels.PREFILL_BUCKETS]
+    at += len(mla)
+    lines += [f"  out[{at + 3 * i + j}] = cupaged::PfSmem<{c}, {hd}, {vhd}>::{f};"
+              for i, (c, _, hd, vhd) in enumerate(prefill) for j, f in enumerate(("BYTES", "ROWS", "TILE"))]
     probe = ('extern "C" __global__ void pa_layout(long long* out) {\n  cupaged::PaParams p;\n'
              '  const char* base = reinterpret_cast<const char*>(&p);\n  out[0] = sizeof(cupaged::PaParams);\n'
              + "\n".join(lines) + "\n}\n")
-    return attention.FAMILY.source + probe, fields, smem, decode, mla
+    return attention.FAMILY.source + probe, fields, smem, decode, mla, prefill
 
 
 def test_params_struct_and_shared_memory_match_the_kernel():
-    source, fields, smem, decode, mla = _probe_source()
-    out = sim.zeros(1 + len(fields) + len(smem) + len(decode) + len(mla), np.int64)
+    source, fields, smem, decode, mla, prefill = _probe_source()
+    out = sim.zeros(1 + len(fields) + len(smem) + len(decode) + len(mla) + 3 * len(prefill), np.int64)
     sim.RawModule(code=source, options=("-std=c++17",)).get_function("pa_layout")((1,), (1,), (out,))
     dtype = attention.params_dtype()
     assert out[0] == dtype.itemsize
@@ -46,7 +52,11 @@ def test_params_struct_and_shared_memory_match_the_kernel():
     want = [kernels.decode_smem_bytes(size, hd) if s == "PdSmem"
             else kernels.decode_mma_smem_bytes(size, hd, "true" in vt) for s, _, size, hd, vt in decode]
     assert out[n:n + len(decode)].tolist() == want
-    assert out[n + len(decode):].tolist() == [kernels.mla_smem_bytes(size, mt) for _, size, mt in mla]
+    n += len(decode)
+    assert out[n:n + len(mla)].tolist() == [kernels.mla_smem_bytes(size, mt) for _, size, mt in mla]
+    assert out[n + len(mla):].tolist() == [x for _, size, hd, vhd in prefill
+                                           for x in (kernels.prefill_smem_bytes(size, hd, vhd),
+                                                     *kernels.prefill_shape(hd, vhd))]
 
 
 def test_probe_compiles_under_nvrtc():
