@@ -73,7 +73,11 @@ def check_caches(key_cache, value_cache, q, kv_cache_dtype, layout, layouts=("NH
     if kv_heads == 0 or block_size == 0:
         raise ValueError(f"key_cache must have num_kv_heads >= 1 and block_size >= 1, got {tuple(key_cache.shape)}")
     vec_k = _aligned(key_cache, [s for n, s in k.items() if n != "k_chunk_stride"], x) and k["k_chunk_stride"] % x == 0
-    vec_v = v["v_dim_stride"] == 1 and _aligned(value_cache, list(v.values())[:3], x)
+    if v["v_dim_stride"] == 1:  # V rows, as K's
+        vec_v = _aligned(value_cache, list(v.values())[:3], x)
+    else:  # vLLM's V^T: runs of x keys of one dimension, 16-byte aligned and never across a block
+        vec_v = block_size % x == 0 and _aligned(value_cache, [v["v_block_stride"], v["v_head_stride"],
+                                                               v["v_dim_stride"]], x)
     return dict(kv_heads=kv_heads, block_size=block_size, vec_k=int(vec_k), vec_v=int(vec_v), **k, **v)
 
 

@@ -16,7 +16,7 @@ MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values t
 MMA_BUCKETS = (64, 128)  # head sizes of the tensor-core decode kernel (256 would not fit 99 KB GPUs' stages)
 _TYPES = ("float", "__half", "__nv_bfloat16")
 PREFILL_BUCKETS = ((64, 64), (128, 128), (192, 128), (256, 256))  # the tensor-core prefill kernel's (HD, VHD)
-MLA_TILES = (1, 4)  # the MLA decode kernel's m16 tiles of query heads per CTA: 16 heads (128 threads) or 64 (512)
+MLA_TILES = (1, 2)  # the MLA decode kernel's m16 tiles of query heads per CTA: 16 heads (128 threads) or 32 (256)
 ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 
 
@@ -129,33 +129,33 @@ def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
     return stages * tile * (width * cache_itemsize + 16) + converted + 5 * rows * tile * 4 + 4 * rows * 4
 
 
-def resident_ctas(threads: int, shared_bytes: int, sm_shared: int) -> int:
-    """CTAs of a decode kernel resident on one SM (0: not even one fits): each is held to <= 128 registers a
-    thread by its __launch_bounds__ (the compile gate checks), and the driver reserves 1 KB of shared memory
-    per CTA."""
-    return min(65536 // (128 * threads), 2048 // threads, sm_shared // (shared_bytes + 1024))
+def resident_ctas(threads: int, shared_bytes: int, sm_shared: int, registers: int = 128) -> int:
+    """CTAs of a kernel resident on one SM (0: not even one fits): each thread held to ``registers`` by the kernel's
+    __launch_bounds__ (the compile gate checks: 128 for the GQA decode kernels, 255 for the prefill and MLA decode
+    kernels), and the driver reserves 1 KB of shared memory per CTA."""
+    return min(65536 // (registers * threads), 2048 // threads, sm_shared // (shared_bytes + 1024))
 
 
 def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, one_query, hd, cache_itemsize, dense, layout):
     """(kernel, decode_max_q, tiles, threads, shared bytes) of the decode kernel the plan routes short query runs
     to, or None. ``layout``: KvView.decode_layout; ``one_query``: no query_start_loc. mla_decode_kernel: 16-bit q
-    over a paged latent cache, q_len 1.
+    over a paged latent cache, every query run (one query at a time per CTA).
     paged_decode_mma_kernel (tiles of 8 query rows): 16-bit q, head size <= 128, GQA groups over 4, or any group
     over vLLM's values (its V^T tiles feed the tensor cores as they are). paged_decode_kernel (tiles of 4 rows):
-    the other V rows. Either takes q_len <= PD_MAX_Q; None: every row stays on paged_attention_kernel."""
-    if layout is None:
-        return None
+    the other V rows, and every query run of float32 q (the CUDA-core path: the prefill kernel is 16-bit). Either
+    takes q_len <= PD_MAX_Q (16-bit q); None: every row stays on paged_attention_kernel."""
+    c = kernel_constants()
     if kind == "mla":
         if q_dtype.itemsize != 2 or dense:
             return None
         mt = MLA_TILES[0] if num_heads <= 16 * MLA_TILES[0] else MLA_TILES[-1]
-        # one query per sequence by construction (no query_start_loc): it takes them all; otherwise it takes the
-        # single queries and paged_attention_kernel the rest, whatever max_query_len says
-        return (mla_kernel(t, kv, mt), ALL_ROWS if one_query else 1, -(-num_heads // (16 * mt)), 128 * mt,
+        # every run: a CTA takes one query of the run at a time (tiles: head tiles x min(max_q, PD_MAX_Q) queries)
+        return (mla_kernel(t, kv, mt), ALL_ROWS, -(-num_heads // (16 * mt)) * min(max_q, c["PD_MAX_Q"]), 128 * mt,
                 mla_smem_bytes(cache_itemsize, mt))
     c = kernel_constants()
-    short = min(max_q, c["PD_MAX_Q"])
-    max_q_taken = ALL_ROWS if max_q <= c["PD_MAX_Q"] else c["PD_MAX_Q"]
+    every = q_dtype.itemsize == 4 or max_q <= c["PD_MAX_Q"]  # it takes every run (an understated hint stays correct)
+    short = max_q if q_dtype.itemsize == 4 else min(max_q, c["PD_MAX_Q"])
+    max_q_taken = ALL_ROWS if every else c["PD_MAX_Q"]
     vt = layout == "vllm"
     # Chosen from the model's shape and cache alone (never from the batch's query lengths), so a sequence takes
     # the same kernel in every batch: a fixed kv_split_size keeps its results bitwise the same.

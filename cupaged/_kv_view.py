@@ -44,28 +44,16 @@ class KvView:
     vec_v: bool
 
     @functools.cached_property
-    def decode_layout(self) -> str | None:
-        """How a decode kernel reads these K/V, or None (paged_attention_kernel alone): "rows" (K and V rows of one
-        head size, contiguous and 16-byte aligned: flash NHD / HND caches, dense rows; MLA's aligned latent rows),
-        "vllm" (vLLM's values [.., head_size, block_size]: 16-byte runs of one dimension over X keys, copied as
-        V^T tiles, so aligned, with blocks of whole runs; its key chunks are 16-byte rows already)."""
-        if self.kind == "mla":
-            return "rows" if self.vec_k else None
-        if self.head_size != self.v_head_size or not self.vec_k:
-            return None
-        s = self.strides
-        if s["v_dim_stride"] == 1:
-            return "rows" if self.vec_v else None
-        x = 16 // self.value.itemsize
-        runs = s["v_page_stride"] == 1 and self.block_size % x == 0
-        return "vllm" if runs and _aligned(self.value, [s["v_block_stride"], s["v_head_stride"], s["v_dim_stride"]],
-                                           x) else None
+    def decode_layout(self) -> str:
+        """How the decode kernels read these K/V: "rows" (K and V rows: flash NHD / HND caches, dense rows, MLA's
+        latent rows) or "vllm" (vLLM's values [.., head_size, block_size], copied as V^T tiles). Rows 16-byte aligned
+        (vec_k / vec_v) are copied by cp.async, others element by element."""
+        return "rows" if self.strides["v_dim_stride"] == 1 else "vllm"
 
     @functools.cached_property
     def prefill_rows(self) -> bool:
-        """The tensor-core prefill kernel reads these K/V: K and V rows (flash NHD / HND caches, dense varlen rows),
-        contiguous and 16-byte aligned (its cp.async copies)."""
-        return self.kind != "mla" and self.vec_k and self.vec_v and self.strides["v_dim_stride"] == 1
+        """The tensor-core prefill kernel reads these K/V: K and V rows (flash NHD / HND caches, dense varlen rows)."""
+        return self.kind != "mla" and self.strides["v_dim_stride"] == 1
 
     @functools.cached_property
     def key_id(self) -> str:

@@ -109,22 +109,23 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, decode, hd, cache_itemsize, dense,
                          decode_layout)
     sms, sm_shared = device
-    if route and not resident_ctas(route[3], route[4], sm_shared):  # a CTA the SM cannot hold (float32 head 256 on
-        route = None                                                 # sm_86 / 89's 100 KB): paged_attention_kernel
+    decode_regs = 255 if kind == "mla" else 128  # the kernels' __launch_bounds__
+    if route and not resident_ctas(route[3], route[4], sm_shared, decode_regs):  # a CTA the SM cannot hold (float32
+        route = None                                     # head 256 on sm_86 / 89's 100 KB): paged_attention_kernel
     decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
     # The long runs: the tensor-core prefill kernel (64 or 128 rows a CTA, <= 255 registers: 2 CTAs an SM at most)
     # where it reads these K/V and its CTA fits the SM, else paged_attention_kernel (PA_ROWS rows, ~2 CTAs an SM).
     prefill = prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, prefill_rows)
-    if prefill and resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared) == 0:
+    if prefill and resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared, 255) == 0:
         prefill = None
     rows_per_cta = prefill[2] if prefill else consts["PA_ROWS"]
     tiles = -(-max_q * group // rows_per_cta) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
-    if decode_max_q == ALL_ROWS:  # the decode kernel alone: its occupancy (<= 128 registers, its shared memory)
-        ctas, per_sm = num_seqs * num_kv_heads * decode_tiles, resident_ctas(decode_threads, decode_smem, sm_shared)
+    if decode_max_q == ALL_ROWS:  # the decode kernel alone: its occupancy (its registers and shared memory)
+        ctas = num_seqs * num_kv_heads * decode_tiles
+        per_sm = resident_ctas(decode_threads, decode_smem, sm_shared, decode_regs)
     elif prefill:
-        ctas, per_sm = num_seqs * num_kv_heads * tiles, min(2, resident_ctas(consts["PD_THREADS"], prefill[1],
-                                                                             sm_shared))
+        ctas, per_sm = num_seqs * num_kv_heads * tiles, resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared, 255)
     else:
         ctas, per_sm = num_seqs * num_kv_heads * tiles, 2
     split = split_for(sms, per_sm, ctas, max_kv) if kv_split_size is None else kv_split_size

@@ -134,7 +134,8 @@ struct PaParams {
   int window_left, window_right;  // a query at position pos sees keys pos - window_left .. pos + window_right (-1: no
                                   // bound; causal: window_right 0; sliding_window W: window_left W - 1)
   int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits, tiles;
-  int vec_k, vec_v;  // 16-byte loads allowed (alignment checked by the wrapper)
+  int vec_k, vec_v;  // 16-byte copies allowed (alignment checked by the wrapper; V: of rows, or of vLLM's V^T runs of
+                     // 16 bytes within a block)
   int decode_tiles;  // paged_decode_kernel's grid: row tiles of its ROWS (as tiles is paged_attention_kernel's)
   int decode_max_q;  // sequences with q_len <= decode_max_q are paged_decode_kernel's, the rest the other's
   int block_shift;   // log2(block_size) when it is a power of two (shifts, not a division per copy), else -1
@@ -179,7 +180,7 @@ __device__ __forceinline__ void pa_load_tile(float* ks, float* vs, const CacheT*
       pa_dequant_chunk<KV, X>(vs + j * S::V_STRIDE + d0,
                               value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
                                   off * p.v_page_stride + d0 * p.v_dim_stride,
-                              p.v_dim_stride, p.v_head_size - d0, p.vec_v, v_scale);
+                              p.v_dim_stride, p.v_head_size - d0, p.vec_v && p.v_dim_stride == 1, v_scale);
   }
 }
 
@@ -550,27 +551,30 @@ __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key
                                          const PaParams& p) {
   constexpr int X = 16 / int(sizeof(CacheT)), TILE = S::TILE, KC = S::K_DIMS / X;
   constexpr int COPIES = TILE * KC + TILE * S::V_DIMS / X;  // K's, then V's (V_DIMS rows of TILE / X runs for V^T)
+  auto at = [&](bool is_v, int j, int c) {  // element c of key j's K row (X-element chunk c), V row or V^T column
+    const int pos = tile.base + j, b = pd_block_of(pos, p);
+    const long long block = ids ? ids[b - tile.first_block] : 0;
+    const long long off = ids ? pos - b * p.block_size : key_row0 + pos;
+    return !is_v ? key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c / X * p.k_chunk_stride +
+                       off * p.k_page_stride + c % X
+                 : value_cache + block * p.v_block_stride + kv_head * p.v_head_stride + off * p.v_page_stride +
+                       c * p.v_dim_stride;
+  };
   auto copy = [&](int i) {
     const bool is_v = i >= TILE * KC, vt = S::VT && is_v;
     const int k = i - is_v * TILE * KC, vc = S::V_DIMS / X;
     const int j = vt ? k % (TILE / X) * X : is_v ? k / vc : k / KC;  // key
     const int c = vt ? k / (TILE / X) : is_v ? k % vc : k % KC;      // chunk, or V^T's dimension
-    const bool real = j < tile.n;
-    const int pos = tile.base + (real ? j : 0);
-    const int b = pd_block_of(pos, p);
-    const long long block = ids ? ids[b - tile.first_block] : 0;
-    const long long off = ids ? pos - b * p.block_size : key_row0 + pos;
-    const CacheT* src = !is_v ? key_cache + block * p.k_block_stride + kv_head * p.k_head_stride +
-                                    c * p.k_chunk_stride + off * p.k_page_stride
-                        : vt  ? value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
-                                    c * p.v_dim_stride + off
-                              : value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
-                                    off * p.v_page_stride + c * X;
     const int dims = is_v ? p.v_head_size : p.head_size;
-    const int bytes = !real ? 0 : vt ? (c < dims ? min(X, tile.n - j) * int(sizeof(CacheT)) : 0)
-                                     : min(max(dims - c * X, 0), X) * int(sizeof(CacheT));
+    const int n = j >= tile.n ? 0 : vt ? (c < dims ? min(X, tile.n - j) : 0) : min(max(dims - c * X, 0), X);
     unsigned char* dst = stage + (vt ? S::vt_at(j / X, c) : is_v ? S::v_at(j, c) : S::k_at(j, c));
-    pd_copy16(dst, bytes ? src : key_cache, bytes);
+    if (is_v ? p.vec_v : p.vec_k) {  // one cp.async: 16-byte aligned rows, V^T runs of X keys within a block
+      pd_copy16(dst, n ? at(is_v, j, vt ? c : c * X) : key_cache, n * int(sizeof(CacheT)));
+    } else {  // element by element (a view at an odd offset, fp8 rows of 72 bytes, V^T runs across blocks):
+      CacheT* d = reinterpret_cast<CacheT*>(dst);  // plain stores, published by the pipeline's barrier as the copies
+#pragma unroll 1
+      for (int e = 0; e < X; ++e) d[e] = e < n ? *(vt ? at(true, j + e, c) : at(is_v, j, c * X + e)) : CacheT();
+    }
   };
   if constexpr (S::UNROLL > 0) {  // the copies' addresses live at once while q and o are: a register budget
 #pragma unroll S::UNROLL
@@ -1473,7 +1477,7 @@ struct MdSmem {
   static constexpr int ROW = MD_HD * int(sizeof(CacheT)) + 16;  // a stage's row, bytes (+16: conflict-free)
   static constexpr int TROW = MD_HD * 2 + 16;                   // a 16-bit row, the mma operands' tile
   static constexpr int STAGE = PD_TILE * ROW;
-  static constexpr int STAGES = MT == 1 ? 2 : 3;                // MT 1: 2 CTAs an SM; MT 4: fits sm_80
+  static constexpr int STAGES = MT == 1 ? 2 : 3;                // MT 1: 2 CTAs an SM; MT 2: 1
   static constexpr int CONV = STAGES * STAGE;                   // fp8: the converted tile
   static constexpr int SPART = CONV + (sizeof(CacheT) == 1 ? PD_TILE * TROW : 0);  // [4][ROWS][32] floats
   static constexpr int P = SPART + 4 * ROWS * PD_TILE * 4;       // [ROWS][32] floats
@@ -1498,7 +1502,13 @@ __device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_
              c * X;
       bytes = min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
     }
-    pd_copy16(stage + j * ROW + c * 16, bytes ? src : kv_cache, bytes);
+    if (p.vec_k) {
+      pd_copy16(stage + j * ROW + c * 16, bytes ? src : kv_cache, bytes);
+    } else {  // rows not 16-byte aligned: element by element (pd_issue's fallback)
+      CacheT* d = reinterpret_cast<CacheT*>(stage + j * ROW + c * 16);
+#pragma unroll 1
+      for (int e = 0; e < X; ++e) d[e] = e * int(sizeof(CacheT)) < bytes ? src[e] : CacheT();
+    }
   }
 }
 
@@ -1663,7 +1673,7 @@ __device__ __forceinline__ void md_finish(const float (&o)[MW][NC][4], const flo
 }
 
 template <class T, int KV, int MT>
-__global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
+__global__ void __launch_bounds__(128 * MT, MT == 1 ? 2 : 1) mla_decode_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size <= 576]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // [num_blocks, block_size, head_size] latent
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // the same array (rows 16-byte aligned)
@@ -1680,61 +1690,68 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 4 : 1) mla_decode_kernel(
   constexpr int MW = MT == 1 ? 1 : 2, NC = 16 / MW;  // P V: m tiles and n8 column tiles of a warp
   extern __shared__ __align__(16) unsigned char md_smem[];
   __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
-  const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, head0 = blockIdx.x % p.decode_tiles * S::ROWS;
+  const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, tile = blockIdx.x % p.decode_tiles;
+  const int head_tiles = (p.num_heads + S::ROWS - 1) / S::ROWS, head0 = tile % head_tiles * S::ROWS;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
-  if (sq.q_len > p.decode_max_q || sq.q_len == 0 || split >= sq.splits.count) return;  // another kernel's
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, token = sq.q_start, pos = sq.seq_len - 1;
-  const PaRange vis = pa_visible(pos, sq.seq_len, p);
-  const int lo = max(vis.lo, sq.split_lo), hi = min(vis.hi, sq.split_hi);
+  if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // another kernel's
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, 0, 0));
   const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, 0, 0);
-  unsigned qa[9][4];  // A fragments of m tile warp / 4 over k16 steps 9 (warp % 4) .. + 8
-#pragma unroll
-  for (int k = 0; k < 9; ++k)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int head = head0 + (warp >> 2) * 16 + (lane >> 2) + (i & 1) * 8;
-      const int d = ((warp & 3) * 9 + k) * 16 + 2 * (lane & 3) + (i >> 1) * 8;
-      const T* row = q + token * p.q_token_stride + head * p.q_head_stride;
-      const bool live = head < p.num_heads;
-      qa[k][i] = tc_pack<T>(live && d < p.head_size ? row[d] : from_float<T>(0.0f),
-                            live && d + 1 < p.head_size ? row[d + 1] : from_float<T>(0.0f));
-    }
   const int r = 4 * warp + (lane >> 3), j0 = (lane & 7) * 4;  // the softmax lane's row and keys
-  float* state = reinterpret_cast<float*>(md_smem + S::STATE);
-  if (j0 == 0) {
-    state[r] = neg_inf();
-    state[S::ROWS + r] = 0.0f;
-    state[2 * S::ROWS + r] = alibi_slopes && head0 + r < p.num_heads ? alibi_slopes[head0 + r] : 0.0f;
-  }
   const int row0 = 16 * MW * (warp / (4 * MW)), c0 = 8 * NC * (warp % (4 * MW));  // the P V slice
-  float o[MW][NC][4];
-#pragma unroll
-  for (int mi = 0; mi < MW; ++mi)
-#pragma unroll
-    for (int n = 0; n < NC; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
+  float* state = reinterpret_cast<float*>(md_smem + S::STATE);
   float* ps = reinterpret_cast<float*>(md_smem + S::P);
   float* alpha_s = reinterpret_cast<float*>(md_smem + S::ALPHA);
   const int* table = block_tables + seq * p.table_stride;
-  pd_pipeline<S>(md_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
-    md_issue<CacheT, S::ROW>(stage, key_cache, tile_ids, tile, p);
-  }, [&](const unsigned char* stage, int base) {
-    const unsigned char* kt = stage;
-    if constexpr (KV != KV_AUTO) {
-      md_convert<KV, T, S::ROW, S::TROW>(md_smem + S::CONV, kt);
-      kt = md_smem + S::CONV;
-      __syncthreads();
+  // The run's queries in turn (speculative decoding: q_len > 1), each at one position for all the CTA's heads:
+  // query tile / head_tiles, then every p.decode_tiles / head_tiles further (a run longer than the hint said).
+  for (int i = tile / head_tiles; i < sq.q_len; i += p.decode_tiles / head_tiles) {
+    const int token = sq.q_start + i, pos = sq.seq_len - sq.q_len + i;
+    const PaRange vis = pa_visible(pos, sq.seq_len, p);
+    const int lo = max(vis.lo, sq.split_lo), hi = min(vis.hi, sq.split_hi);
+    unsigned qa[9][4];  // A fragments of m tile warp / 4 over k16 steps 9 (warp % 4) .. + 8
+#pragma unroll
+    for (int k = 0; k < 9; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int head = head0 + (warp >> 2) * 16 + (lane >> 2) + (e & 1) * 8;
+        const int d = ((warp & 3) * 9 + k) * 16 + 2 * (lane & 3) + (e >> 1) * 8;
+        const T* row = q + token * p.q_token_stride + head * p.q_head_stride;
+        const bool live = head < p.num_heads;
+        qa[k][e] = tc_pack<T>(live && d < p.head_size ? row[d] : from_float<T>(0.0f),
+                              live && d + 1 < p.head_size ? row[d + 1] : from_float<T>(0.0f));
+      }
+    if (j0 == 0) {
+      state[r] = neg_inf();
+      state[S::ROWS + r] = 0.0f;
+      state[2 * S::ROWS + r] = alibi_slopes && head0 + r < p.num_heads ? alibi_slopes[head0 + r] : 0.0f;
     }
-    md_scores<T, S::ROWS, S::TROW>(reinterpret_cast<float*>(md_smem + S::SPART), kt, qa, warp, lane);
-    __syncthreads();  // the four partial sums of every score are in
-    md_softmax<S::ROWS>(reinterpret_cast<const float*>(md_smem + S::SPART), ps, alpha_s, state, r, j0,
-                        min(PD_TILE, hi - base + 1), base, pos, qscale, p.softcap);
-    __syncthreads();  // P and the rescale factors are in
-    md_values<T, MW, NC, S::TROW>(o, kt, ps, alpha_s, row0, c0, lane);
-  });
-  __syncthreads();  // the last tile's (m, l) are in
-  md_finish<T, MW, NC>(o, state, S::ROWS, row0, c0, head0, token, split, sq.splits.count, sq.seq_len, oscale, sinks,
-                       out, lse, max_logits, exp_sums, tmp_output, p);
+    float o[MW][NC][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+      for (int n = 0; n < NC; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
+    pd_pipeline<S>(md_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile t) {
+      md_issue<CacheT, S::ROW>(stage, key_cache, tile_ids, t, p);
+    }, [&](const unsigned char* stage, int base) {
+      const unsigned char* kt = stage;
+      if constexpr (KV != KV_AUTO) {
+        md_convert<KV, T, S::ROW, S::TROW>(md_smem + S::CONV, kt);
+        kt = md_smem + S::CONV;
+        __syncthreads();
+      }
+      md_scores<T, S::ROWS, S::TROW>(reinterpret_cast<float*>(md_smem + S::SPART), kt, qa, warp, lane);
+      __syncthreads();  // the four partial sums of every score are in
+      md_softmax<S::ROWS>(reinterpret_cast<const float*>(md_smem + S::SPART), ps, alpha_s, state, r, j0,
+                          min(PD_TILE, hi - base + 1), base, pos, qscale, p.softcap);
+      __syncthreads();  // P and the rescale factors are in
+      md_values<T, MW, NC, S::TROW>(o, kt, ps, alpha_s, row0, c0, lane);
+    });
+    __syncthreads();  // the last tile's (m, l) are in
+    md_finish<T, MW, NC>(o, state, S::ROWS, row0, c0, head0, token, split, sq.splits.count, sq.seq_len, oscale,
+                         sinks, out, lse, max_logits, exp_sums, tmp_output, p);
+    __syncthreads();  // the next query rewrites the rows' state and the stages
+  }
 }
 
 template <class T>

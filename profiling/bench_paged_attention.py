@@ -118,8 +118,8 @@ def mixed_batches(m=MIXED) -> dict:
 
 
 def project_ragged(name: str, q_lens, contexts, m=MIXED) -> dict:
-    """Model row of a ragged paged batch (every sequence given a query_start_loc run), run whole on the sim with one
-    CTA a (sequence, kv head) profiled along each row-tile axis of 16 (the chunks' tiles all see ~ the same keys)."""
+    """Model row of a ragged paged batch (every sequence given a query_start_loc run), run whole on the sim with the
+    CTAs of one kv head profiled (every kv head does the same work)."""
     dtype, kv_cache_dtype = DTYPES[m["kv_dtype"]]
     rng = np.random.default_rng(0)
     kv = paged_kv(contexts, block_size=BLOCK, head_size=HEAD, num_kv_heads=m["kv_heads"], dtype=dtype, rng=rng)
@@ -134,7 +134,7 @@ def project_ragged(name: str, q_lens, contexts, m=MIXED) -> dict:
     c = attention_cost(np.array(contexts), np.array(q_lens), num_heads=m["heads"], num_kv_heads=m["kv_heads"],
                        head_size=HEAD, v_head_size=HEAD, kv_itemsize=np.dtype(dtype).itemsize,
                        q_itemsize=np.dtype(dtype).itemsize, out_itemsize=np.dtype(dtype).itemsize, block_size=BLOCK)
-    return _model.project(s, run, c, 1, (16, m["kv_heads"], 1))
+    return _model.project(s, run, c, 1, (1, m["kv_heads"], 1))
 
 
 def project_varlen(batch=4, length=4096, heads=128, qk=192, vd=128, subset_heads=8) -> dict:

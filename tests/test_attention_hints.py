@@ -98,10 +98,9 @@ def test_varlen_attention_understated_max_seqlen_q(backend):
 
 
 def test_mla_query_runs_longer_than_the_hint(backend):
-    """An MLA latent cache through run_attention with runs of 2 and 1 queries under max_query_len=1: the
-    tensor-core MLA decode kernel takes single queries only, so the longer run stays paged_attention_kernel's.
-    Before, the hint sent it to mla_decode_kernel, which computed its first token at the last position and
-    left its second unwritten."""
+    """An MLA latent cache through run_attention with runs of 2 and 1 queries under max_query_len=1: the grid holds
+    one query a sequence, and mla_decode_kernel's CTAs take the run's later queries in turn. Before v5, the hint
+    sent the run to a kernel that computed its first token at the last position and left its second unwritten."""
     rng = np.random.default_rng(4)
     cache, table, _ = latent_pool(rng, [300, 40], 16, F16, "auto")
     q = rng.standard_normal((3, 16, 576)).astype(F16)

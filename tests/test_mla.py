@@ -268,22 +268,23 @@ def test_mla_decode_scale_is_required(backend):
         cupaged.mla_decode(*args)
 
 
-@pytest.mark.parametrize("kv_cache_dtype, split", [("auto", None), ("fp8", 64)])
-def test_mla_query_runs_through_run_attention(backend, kv_cache_dtype, split):
-    """MTP / speculative decoding over the latent cache (run_attention with query_start_loc): single queries take
-    mla_decode_kernel, longer runs paged_attention_kernel, each query at its own causal position. Query i of a run
-    of q_len sits at seq_len - q_len + i: the reference is a decode over that prefix."""
+@pytest.mark.parametrize("kv_cache_dtype, split, heads, q_lens", [("auto", None, 16, [2, 1, 4, 6]),
+                                                                  ("fp8", 64, 40, [3, 1, 20, 6])])
+def test_mla_query_runs_through_run_attention(backend, kv_cache_dtype, split, heads, q_lens):
+    """MTP / speculative decoding over the latent cache (run_attention with query_start_loc): every run takes
+    mla_decode_kernel, a CTA one query of it at a time (16 heads: 128 threads; 40: 256, 32 heads a CTA), each query
+    at its own causal position; a run of 20 is longer than the grid's 16 queries a sequence. Query i of a run of
+    q_len sits at seq_len - q_len + i: the reference is a decode over that prefix."""
     rng = np.random.default_rng(6)
     seq_lens = np.array([300, 40, 129, 9], np.int32)
-    q_lens = [2, 1, 4, 6]
     cache, table, scale = latent_pool(rng, seq_lens.tolist(), 16, ml_dtypes.bfloat16, kv_cache_dtype)
-    q = rng.standard_normal((sum(q_lens), 16, RANK + ROPE)).astype(ml_dtypes.bfloat16)
+    q = rng.standard_normal((sum(q_lens), heads, RANK + ROPE)).astype(ml_dtypes.bfloat16)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     kv = cupaged.KvView.mla(backend.asarray(cache), RANK, kv_cache_dtype)
     dev = [backend.asarray(x) for x in (q, table, seq_lens, qsl)]
     plan = cupaged.plan_attention(dev[0], kv, dev[1], dev[2], dev[3], kv_split_size=split)
-    assert "mla_decode_kernel" in plan.decode_kernel and plan.decode_max_q == 1 and plan.kernel is not None
-    out = backend.asarray(np.full((len(q), 16, RANK), np.nan, ml_dtypes.bfloat16))
+    assert "mla_decode_kernel" in plan.decode_kernel and plan.decode_max_q == 2**31 - 1 and plan.kernel is None
+    out = backend.asarray(np.full((len(q), heads, RANK), np.nan, ml_dtypes.bfloat16))
     cupaged.run_attention(plan, dev[0], kv, out, None, dev[1], dev[2], dev[3], scale=0.05, k_scale=scale,
                           v_scale=scale)  # the value is the latent row: one scale
     seq = np.repeat(np.arange(4), q_lens)
