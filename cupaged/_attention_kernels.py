@@ -20,16 +20,12 @@ MLA_TILES = (1, 2)  # the MLA decode kernel's m16 tiles of query heads per CTA: 
 ALL_ROWS = 2**31 - 1  # decode_max_q when the decode kernel takes every sequence
 
 
-def main_kernel(t, kv, hd, vhd, shared):
-    return f"cupaged::paged_attention_kernel<{t}, {kv}, {hd}, {vhd}, {'true' if shared else 'false'}>"
-
-
 def reduce_kernel(t):
     return f"cupaged::paged_attention_reduce_kernel<{t}>"
 
 
-def decode_kernel(t, kv, hd):
-    return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}>"
+def decode_kernel(t, kv, hd, vt=False):
+    return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}, {'true' if vt else 'false'}>"
 
 
 def decode_mma_kernel(t, kv, hd, vt):
@@ -45,10 +41,11 @@ def mla_kernel(t, kv, mt):
 
 
 FAMILY = KernelFamily("paged_attention", [
-    *(main_kernel(t, kv, hd, hd, False) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
-    *(main_kernel(t, kv, *MLA_BUCKET, True) for t in _TYPES for kv in KV_KINDS),
     *(reduce_kernel(t) for t in _TYPES),
     *(decode_kernel(t, kv, hd) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS),
+    # vLLM's values on CUDA cores: float32 q, and the head size the tensor-core decode kernel does not take
+    *(decode_kernel(t, kv, hd, True) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS
+      if t == "float" or hd not in MMA_BUCKETS),
     *(decode_mma_kernel(t, kv, hd, vt) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS for vt in (0, 1)),
     *(mla_kernel(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
     *(prefill_kernel(t, kv, hd, vhd) for t in _TYPES[1:] for kv in KV_KINDS for hd, vhd in PREFILL_BUCKETS
@@ -60,25 +57,24 @@ FAMILY = KernelFamily("paged_attention", [
 def kernel_constants() -> dict[str, int]:
     """PA_*, PD_* (the decode kernels'), PM_* (the tensor-core decode kernel's) and MD_* (MLA decode's) as
     kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_ROWS", "PA_TILE", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE",
+    return constants(FAMILY.source, "PA_THREADS", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE",
                      "PD_MAX_Q", "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD")
 
 
-def smem_bytes(hd: int, vhd: int, shared: bool) -> int:
-    """Dynamic shared memory of the main kernel: PaSmem<HD, VHD, SHARED_KV>::FLOATS floats."""
+def decode_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
+    """Dynamic shared memory of paged_decode_kernel: PdSmem<CacheT, HD, VT>::BYTES (its pipeline stages of TILE
+    keys: K rows, then V rows or vLLM's V^T rows padded by 16 bytes; or the warps' merge area when larger)."""
     c = kernel_constants()
-    rows, tile = c["PA_ROWS"], c["PA_TILE"]
-    kv = tile * (hd + 1) + (0 if shared else tile * vhd)
-    return 4 * (rows * hd + kv + rows * tile + 3 * rows)
-
-
-def decode_smem_bytes(cache_itemsize: int, hd: int) -> int:
-    """Dynamic shared memory of paged_decode_kernel: PdSmem<CacheT, HD>::BYTES (its pipeline stages, or the
-    warps' merge area when larger)."""
-    c = kernel_constants()
-    stage = 2 * c["PD_TILE"] * hd * cache_itemsize
+    tile = decode_tile(cache_itemsize, hd)
+    rows = tile * hd * cache_itemsize
+    stage = rows + (hd * (tile * cache_itemsize + 16) if vt else rows)
     stages = 4 if 4 * stage <= 65536 else 3 if 3 * stage <= 98304 else 2
     return max(stages * stage, 4 * c["PD_ROWS"] * (hd + 2) * 4)
+
+
+def decode_tile(cache_itemsize: int, hd: int) -> int:
+    """PdSmem::TILE: keys a stage of paged_decode_kernel (16 for float32 head 256: 3 stages within 99 KB)."""
+    return 16 if cache_itemsize == 4 and hd == 256 else kernel_constants()["PD_TILE"]
 
 
 def decode_mma_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
@@ -136,33 +132,36 @@ def resident_ctas(threads: int, shared_bytes: int, sm_shared: int, registers: in
     return min(65536 // (registers * threads), 2048 // threads, sm_shared // (shared_bytes + 1024))
 
 
-def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, one_query, hd, cache_itemsize, dense, layout):
+def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, layout, sm_shared):
     """(kernel, decode_max_q, tiles, threads, shared bytes) of the decode kernel the plan routes short query runs
-    to, or None. ``layout``: KvView.decode_layout; ``one_query``: no query_start_loc. mla_decode_kernel: 16-bit q
-    over a paged latent cache, every query run (one query at a time per CTA).
+    to, or None (float32 MLA: none). ``layout``: KvView.decode_layout; ``sm_shared``: the device's shared memory
+    an SM.
+    mla_decode_kernel: 16-bit q over a paged latent cache, every query run (one query at a time per CTA).
     paged_decode_mma_kernel (tiles of 8 query rows): 16-bit q, head size <= 128, GQA groups over 4, or any group
     over vLLM's values (its V^T tiles feed the tensor cores as they are). paged_decode_kernel (tiles of 4 rows):
-    the other V rows, and every query run of float32 q (the CUDA-core path: the prefill kernel is 16-bit). Either
-    takes q_len <= PD_MAX_Q (16-bit q); None: every row stays on paged_attention_kernel."""
+    the rest, float32 q included (the CUDA-core path: the prefill kernel is 16-bit)."""
     c = kernel_constants()
     if kind == "mla":
-        if q_dtype.itemsize != 2 or dense:
+        if q_dtype.itemsize != 2:
             return None
-        mt = MLA_TILES[0] if num_heads <= 16 * MLA_TILES[0] else MLA_TILES[-1]
+        wide = MLA_TILES[-1]  # 32 heads a CTA where its 130 KB fit the SM (sm_80 / sm_90; not sm_86 / sm_89)
+        fits = resident_ctas(128 * wide, mla_smem_bytes(cache_itemsize, wide), sm_shared, 255) > 0
+        mt = wide if num_heads > 16 * MLA_TILES[0] and fits else MLA_TILES[0]
         # every run: a CTA takes one query of the run at a time (tiles: head tiles x min(max_q, PD_MAX_Q) queries)
         return (mla_kernel(t, kv, mt), ALL_ROWS, -(-num_heads // (16 * mt)) * min(max_q, c["PD_MAX_Q"]), 128 * mt,
                 mla_smem_bytes(cache_itemsize, mt))
     c = kernel_constants()
-    every = q_dtype.itemsize == 4 or max_q <= c["PD_MAX_Q"]  # it takes every run (an understated hint stays correct)
-    short = max_q if q_dtype.itemsize == 4 else min(max_q, c["PD_MAX_Q"])
-    max_q_taken = ALL_ROWS if every else c["PD_MAX_Q"]
     vt = layout == "vllm"
+    # A short run (<= PD_MAX_Q) takes a decode kernel; one that knows every run is short, float32 q (the CUDA-core
+    # path: the prefill kernel is 16-bit) and vLLM's values (decode's layout) take every run, an understated hint
+    # still right: a CTA takes its sequence's later row tiles in turn. Longer runs: paged_prefill_kernel.
+    every = q_dtype.itemsize == 4 or vt or max_q <= c["PD_MAX_Q"]
+    short = max_q if every else c["PD_MAX_Q"]
+    max_q_taken = ALL_ROWS if every else c["PD_MAX_Q"]
     # Chosen from the model's shape and cache alone (never from the batch's query lengths), so a sequence takes
     # the same kernel in every batch: a fixed kv_split_size keeps its results bitwise the same.
     if (group > c["PD_ROWS"] or vt) and q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
         return (decode_mma_kernel(t, kv, hd, vt), max_q_taken, -(-short * group // c["PM_ROWS"]), c["PD_THREADS"],
                 decode_mma_smem_bytes(cache_itemsize, hd, vt))
-    if vt:
-        return None
-    return (decode_kernel(t, kv, hd), max_q_taken, -(-short * group // c["PD_ROWS"]), c["PD_THREADS"],
-            decode_smem_bytes(cache_itemsize, hd))
+    return (decode_kernel(t, kv, hd, vt), max_q_taken, -(-short * group // c["PD_ROWS"]), c["PD_THREADS"],
+            decode_smem_bytes(cache_itemsize, hd, vt))

@@ -29,14 +29,14 @@ class AttentionPlan:
     v_head_size: int
     dtype: str                 # q's C type
     kv: str                    # the K/V kind and cache dtype the plan was made for
-    tiles: int                 # CTAs along a sequence's (token, head) rows, PA_ROWS rows each
+    tiles: int                 # paged_prefill_kernel's CTAs along a sequence's (token, head) rows (0: no prefill)
     kv_split_size: int         # keys per split (0: one pass)
     max_splits: int            # the depth of the partial buffers
     always_partials: bool      # vLLM v2: every sequence writes partials, even with one split
     grid: tuple
     threads: int
     shared_mem: int
-    kernel: str | None         # name expressions; kernel None: the decode kernel takes every row
+    kernel: str | None         # name expressions; kernel (the prefill kernel) None: the decode kernel takes every row
     reduce_kernel: str | None
     decode_kernel: str | None = None  # a decode kernel for sequences with q_len <= decode_max_q
     decode_grid: tuple = ()
@@ -56,7 +56,7 @@ class AttentionPlan:
 
     @property
     def main_launches(self):
-        """(kernel, grid, threads, shared_mem) of the main kernels, in launch order: paged_attention_kernel
+        """(kernel, grid, threads, shared_mem) of the main kernels, in launch order: paged_prefill_kernel
         for long query runs (the op's declared cost goes with the first: the bulk of a prefill), then the
         decode kernel for the short ones."""
         launches = []

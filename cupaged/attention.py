@@ -18,7 +18,7 @@ import numpy as np
 
 from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._attention_kernels import (ALL_ROWS, FAMILY, HEAD_BUCKETS, MLA_BUCKET, decode_route, kernel_constants,
-                                       main_kernel, prefill_route, reduce_kernel, resident_ctas, smem_bytes)
+                                       prefill_route, reduce_kernel, resident_ctas)
 from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, sm_shared_bytes, struct_arg
 from cupaged._cache_args import KV_CODE, kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, element_strides
@@ -102,32 +102,27 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
     t, kv = CTYPE[q_dtype], KV_CODE[kv_cache_dtype]
     shared = kind == "mla"
-    hd, vhd = MLA_BUCKET if shared else (next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)),) * 2
+    hd = MLA_BUCKET[0] if shared else next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size))
     cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
-    # Sequences whose query run is short take a decode kernel; with a hint saying every run is short it
-    # takes them all (an understated hint stays correct), else the longer ones take paged_attention_kernel.
-    route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, decode, hd, cache_itemsize, dense,
-                         decode_layout)
     sms, sm_shared = device
+    # A decode kernel takes the short query runs, or every run (decode_max_q ALL_ROWS: float32, vLLM's layout, MLA,
+    # or a hint saying every run is short); the tensor-core prefill kernel takes the longer ones.
+    route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, decode_layout, sm_shared)
+    if route is None:
+        raise NotImplementedError(f"q dtype {q_dtype}: attention over an MLA latent cache takes float16 or bfloat16 q "
+                                  f"(mla_decode_kernel runs on tensor cores)")
+    decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route
     decode_regs = 255 if kind == "mla" else 128  # the kernels' __launch_bounds__
-    if route and not resident_ctas(route[3], route[4], sm_shared, decode_regs):  # a CTA the SM cannot hold (float32
-        route = None                                     # head 256 on sm_86 / 89's 100 KB): paged_attention_kernel
-    decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route or (None, 0, 0, 0, 0)
-    # The long runs: the tensor-core prefill kernel (64 or 128 rows a CTA, <= 255 registers: 2 CTAs an SM at most)
-    # where it reads these K/V and its CTA fits the SM, else paged_attention_kernel (PA_ROWS rows, ~2 CTAs an SM).
-    prefill = prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, prefill_rows)
-    if prefill and resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared, 255) == 0:
-        prefill = None
-    rows_per_cta = prefill[2] if prefill else consts["PA_ROWS"]
-    tiles = -(-max_q * group // rows_per_cta) if kind != "mla" else -(-num_heads // consts["PA_ROWS"])
+    prefill = None if decode_max_q == ALL_ROWS else prefill_route(kind, q_dtype, t, kv, head_size, v_head_size,
+                                                                  prefill_rows)
+    assert decode_max_q == ALL_ROWS or prefill, "a run no kernel takes"  # 16-bit q over rows: the prefill kernel's
+    tiles = -(-max_q * group // prefill[2]) if prefill else 0
     max_kv = max_seq_len or (table_width * block_size if not dense else 0)
-    if decode_max_q == ALL_ROWS:  # the decode kernel alone: its occupancy (its registers and shared memory)
+    if prefill:  # its CTAs do the bulk of the work: its occupancy (255 registers, its shared memory)
+        ctas, per_sm = num_seqs * num_kv_heads * tiles, resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared, 255)
+    else:  # the decode kernel alone: its occupancy (its registers and shared memory)
         ctas = num_seqs * num_kv_heads * decode_tiles
         per_sm = resident_ctas(decode_threads, decode_smem, sm_shared, decode_regs)
-    elif prefill:
-        ctas, per_sm = num_seqs * num_kv_heads * tiles, resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared, 255)
-    else:
-        ctas, per_sm = num_seqs * num_kv_heads * tiles, 2
     split = split_for(sms, per_sm, ctas, max_kv) if kv_split_size is None else kv_split_size
     if max_splits is None:
         max_splits = max(1, -(-max_kv // split)) if split else 1
@@ -137,8 +132,7 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
         num_seqs=num_seqs, num_kv_heads=num_kv_heads, head_size=head_size, v_head_size=v_head_size, dtype=t,
         kv=kv_key(kind, kv_cache_dtype, block_size), tiles=tiles, kv_split_size=split, max_splits=max_splits,
         always_partials=always_partials, grid=(tiles * max_splits, num_kv_heads, num_seqs),
-        threads=consts["PA_THREADS"], shared_mem=prefill[1] if prefill else smem_bytes(hd, vhd, shared),
-        kernel=None if decode_max_q == ALL_ROWS else prefill[0] if prefill else main_kernel(t, kv, hd, vhd, shared),
+        threads=consts["PA_THREADS"], shared_mem=prefill[1] if prefill else 0, kernel=prefill[0] if prefill else None,
         reduce_kernel=reduce_kernel(t) if max_splits > 1 and split > 0 else None,
         decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
         decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),

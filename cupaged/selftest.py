@@ -137,7 +137,7 @@ def _paged_pool(rng, seqs, heads, head_size, dtype, kv_cache_dtype="auto", layou
 
 def _attention(dtype, kv_cache_dtype="auto", heads=(8, 2), **options):
     """A decode token, a 6-token run (both decode kernels' q_len <= 16: GQA 8 takes paged_decode_mma_kernel) and
-    a 20-token run (paged_attention_kernel)."""
+    a 20-token run (paged_prefill_kernel for 16-bit q; float32 takes paged_decode_kernel for every run)."""
     def case(asarray, rng):
         seqs = ((1, 300), (6, 40), (20, 20))
         q, kv = _paged_pool(rng, seqs, heads, 80, dtype, kv_cache_dtype)
@@ -202,7 +202,7 @@ def _varlen(dtype, causal):
 
 
 def _mla(dtype, kv_cache_dtype, heads=32):
-    """mla_decode_kernel: 32 heads take a CTA of 64 heads, 16 one of 16."""
+    """mla_decode_kernel: 32 heads take a CTA of 32 heads (256 threads), 16 one of 16."""
     def case(asarray, rng):
         q, kv = _paged_pool(rng, ((1, 300), (1, 17), (1, 0)), (heads, 1), 576, dtype, kv_cache_dtype, layout="mla")
         cache, table, seq_lens = kv.key_cache, kv.block_tables, kv.seq_lens
@@ -231,6 +231,8 @@ CASES = {
                                                              alibi_slopes=np.linspace(0.1, 0.8, 8, dtype=np.float32)),
     "paged_attention bfloat16 GQA 8 fp8_e5m2 sinks (tensor cores)": _attention(ml_dtypes.bfloat16, "fp8_e5m2",
                                                                              heads=(16, 2), sinks=True),
+    "paged_attention float16 window_size (24, 4) non-causal": _attention(np.float16, causal=False,
+                                                                         window_size=(24, 4)),
     "paged_attention_v1 float16": _vllm_attention(1),
     "paged_attention_v2 float16": _vllm_attention(2),
     **{f"merge_attn_states {np.dtype(dt).name}": _merge(dt) for dt in _DTYPES},

@@ -19,43 +19,44 @@
 //                (out's type for vLLM v2)
 // Dense varlen mode (block_tables == nullptr): key j of sequence b is row cu_seqlens_k[b] + j of a
 // [total_k, num_kv_heads, head_size] array (k_page_stride = its token stride) and the context length
-// is cu_seqlens_k[b + 1] - cu_seqlens_k[b]. MLA mode (SHARED_KV): the value of a key is the first
+// is seqused_k[b] when given, else cu_seqlens_k[b + 1] - cu_seqlens_k[b]. MLA: the value of a key is the first
 // v_head_size entries of its latent row, so one shared-memory tile serves as both K and V.
 //
-// Kernels (softmax.cuh holds the finish and merge arithmetic, shared with merge_attn_states.cu):
-//   paged_attention_kernel: one CTA per (kv head, sequence, KV split, tile of R query rows). The R rows are
-//      (token, head) pairs of one GQA group, so every K/V byte a CTA reads serves all of its query heads; a
-//      CTA also takes its sequence's row tiles p.tiles further on (rows past the max_query_len hint). K/V
-//      tiles of TK tokens are staged in shared memory as float32 (fp8 dequantized on load, 16-byte loads
-//      when aligned), only the union of the rows' visible ranges is loaded, and scores and P·V run over
-//      each row's own visible range: masking is selection, never a zero weight times a loaded value. A
-//      sequence whose context fits one split finishes out/LSE itself (softmax_finish); otherwise each split
-//      writes float32 partials (max, exp-sum relative to it, normalized output), and
+// Kernels: one CTA per (kv head, sequence, KV split, tile of query rows), the rows (token, head) pairs of one
+// GQA group, so every K/V byte a CTA reads serves all of its query heads; a CTA also takes its sequence's later
+// row tiles (rows past the max_query_len hint). K/V tiles stay in their storage dtype in shared memory, filled
+// by one cp.async pipeline (pd_pipeline: 2-4 stages, block ids fetched a tile ahead; rows that are not 16-byte
+// aligned are copied element by element), and only the union of the rows' visible keys is loaded: masking is
+// selection, never a zero weight times a loaded value. A sequence whose context fits one split finishes out/LSE
+// itself (softmax_finish, softmax.cuh); otherwise each split writes float32 partials (max, exp-sum relative to
+// it, normalized output) and
 //   paged_attention_reduce_kernel merges the splits of one (token, head) and 128 columns, adding the sink once
 //      (softmax_merge): each split's weight once into shared memory, then the partial rows read coalesced (4
 //      columns a lane), the 4 warps' loads in flight together (each takes every fourth split), their sums added
 //      in a fixed order.
-//   Head tiles of one split are adjacent in the grid, so for MLA (one latent head shared by up to 128
-//   query heads, 16 per CTA) the CTAs reading the same cache bytes run together and share them in L2.
-//   paged_decode_kernel<T, KV, HD>: sequences whose query run is short (decode, speculative decoding;
-//      p.decode_max_q) over flash NHD / HND caches or dense rows that are contiguous and 16-byte aligned; the
-//      plan routes each sequence by its q_len, and the kernel above keeps the longer runs. One CTA per (kv head,
-//      sequence, split, tile of PD_ROWS = 4 query rows of a GQA group). K/V tiles of PD_TILE keys stay in their
-//      storage dtype in shared memory, filled by a 2-4 stage cp.async pipeline (block ids fetched a tile ahead);
-//      a lane owns 8 dimensions of a key row (LPR = HD / 8 lanes a row), so a whole-row vector load from shared
-//      memory feeds all the rows, whose q and output accumulators live in registers; fp8 converts in pairs in
-//      registers, its scales folded into q and the output. Each slot of LPR lanes keeps its own online softmax
-//      over the keys it took; slots merge by shuffles, warps through shared memory, once at the end. Writes the
-//      same partials / out / LSE as the kernel above.
+// The plan routes each sequence by its q_len: runs of up to PD_MAX_Q (decode, speculative decoding) take a
+// decode kernel, longer ones the prefill kernel; float32 q, vLLM's layout and MLA take their decode kernel for
+// every run.
+//   paged_decode_kernel<T, KV, HD, VT>: tiles of PD_ROWS = 4 query rows on CUDA cores, every dtype (the float32
+//      path for every run length). A lane owns 8 dimensions of a key row (LPR = HD / 8 lanes a row), so a
+//      whole-row vector load from shared memory feeds all the rows, whose q and output accumulators live in
+//      registers; fp8 converts in pairs in registers, its scales folded into q and the output; vLLM's values (VT)
+//      arrive as V^T tiles read down a column. Each slot of LPR lanes keeps its own online softmax over the keys
+//      it took; slots merge by shuffles, warps through shared memory, once at the end.
 //   paged_decode_mma_kernel<T, KV, HD, VT>: the same on tensor cores for tiles of 8 query rows: GQA groups over
-//      4, or any group over vLLM's layout (VT: its values [.., head_size, block_size] arrive as V^T tiles, which
-//      are the A operand as they lie); 16-bit q, head sizes up to 128. S^T = K Q^T and O^T += V^T P^T by
-//      mma.sync m16n8k16, 16 keys a warp, P in 16-bit parts: fp32-P accuracy; see its section below.
-//   mla_decode_kernel<T, KV, MT>: MLA decode (one query per sequence, 16-bit q, a paged latent cache with 16-byte
-//      aligned rows; float32 and longer runs stay on paged_attention_kernel) on tensor cores: 16 MT query heads
-//      a CTA (MT 1: 16 heads, 128 threads; MT 4: 64 heads, 512 threads), S = Q K^T by mma.sync m16n8k16 (q in
-//      registers, K by ldmatrix), P V by m16n8k8 with P split into 16-bit parts (V by ldmatrix.trans), so P V
-//      keeps fp32-P accuracy; see its section below.
+//      4, or any group over vLLM's layout (VT: its V^T tiles are the A operand as they lie); 16-bit q, head
+//      sizes up to 128. S^T = K Q^T and O^T += V^T P^T by mma.sync m16n8k16, 16 keys a warp, P in 16-bit parts:
+//      fp32-P accuracy; see its section below.
+//   paged_prefill_kernel<T, KV, HD, VHD>: FlashAttention-2 on tensor cores for the longer runs of 16-bit q over
+//      K/V rows (flash NHD / HND, dense varlen rows, QK 192 / V 128 included): 128 query rows a CTA (64 above
+//      V 128), Q K^T and P V by mma.sync m16n8k16 from XOR-swizzled shared tiles, P rounded to 16 bits; see its
+//      section below.
+//   mla_decode_kernel<T, KV, MT>: MLA over a paged latent cache (16-bit q; every run, a CTA one query at a time)
+//      on tensor cores: 16 MT query heads a CTA (MT 1: 16 heads, 128 threads; MT 2: 32 heads, 256 threads), S =
+//      Q K^T by mma.sync m16n8k16 (q in registers, K by ldmatrix), P V by m16n8k8 with P split into 16-bit parts
+//      (V by ldmatrix.trans), so P V keeps fp32-P accuracy; see its section below.
+//   Head tiles of one split are adjacent in the grid, so the CTAs reading the same cache bytes run together and
+//   share them in L2.
 //
 // Versions (the code below is the last):
 //   v1: partials in out's type, one row tile per CTA, splits from kv_split_size alone, q . k in one sum.
@@ -78,6 +79,15 @@
 //       splits into >= 2 full waves: 1 x 32768 in 99 splits, not 32: 36.1 -> 36.4 us, 76.9%); the merge reads 4
 //       columns a lane, 4 warps' loads in flight. MLA (bench_mla.py --model): 128 heads no longer split, 246.4 ->
 //       231.0 us; 16 heads now split into 2 waves, 71.8 -> 81.4 us (77.9%; the partials of 12 splits).
+//   v6: paged_prefill_kernel for query runs over 16 (H200 model, bench_paged_attention.py --model): prefill 8 x 2048
+//       causal, 32/8 heads, d128, bf16 ~30 ms -> 871.8 us (315 TFLOP/s); varlen 4 x 4096 192/128 non-causal, 128
+//       heads: 433 TFLOP/s (66% of the mma.sync peak); a mixed batch of 4 chunks of 512 and 256 decode tokens
+//       613.9 us = 1.00x its halves alone. paged_attention_kernel (fp32 FMAs from shared memory, 16 rows a CTA)
+//       deleted: float32 takes paged_decode_kernel for every run, vLLM's values as V^T tiles there too, and
+//       mla_decode_kernel every MLA run, in CTAs of 16 or 32 heads within 255 registers (64-head CTAs of 512
+//       threads spilled at 128 once it looped over queries; MLA 64 x 4096, 128 heads: 231.0 -> 260.9 us, two
+//       waves of 32-head CTAs re-reading the latent rows). FlashAttention's window_size (both sides, causal or
+//       not) and seqused_k.
 //
 // Uses:      common.cuh, softmax.cuh, tensor_core.cuh (ldmatrix / mma.sync as inline PTX)
 // Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch both kernels, reading
@@ -98,24 +108,7 @@ namespace cupaged {
 
 constexpr int PA_THREADS = 128;  // 4 warps
 constexpr int PA_MERGE_COLS = 128;  // the reduce kernel's output columns a CTA: 4 a lane
-constexpr int PA_ROWS = 16;      // query rows (token, head) per CTA
-constexpr int PA_TILE = 32;      // keys per shared-memory tile (one per lane in the softmax)
 
-
-// Dynamic shared memory of a CTA, in floats.
-template <int HD, int VHD, bool SHARED_KV>
-struct PaSmem {
-  static constexpr int K_STRIDE = HD + 1;  // padded: the score loop reads K rows across lanes
-  static constexpr int V_STRIDE = SHARED_KV ? K_STRIDE : VHD;
-  static constexpr int Q = 0;
-  static constexpr int K = Q + PA_ROWS * HD;
-  static constexpr int V = SHARED_KV ? K : K + PA_TILE * K_STRIDE;
-  static constexpr int P = SHARED_KV ? K + PA_TILE * K_STRIDE : V + PA_TILE * VHD;
-  static constexpr int ROW_M = P + PA_ROWS * PA_TILE;
-  static constexpr int ROW_L = ROW_M + PA_ROWS;
-  static constexpr int ROW_ALPHA = ROW_L + PA_ROWS;
-  static constexpr int FLOATS = ROW_ALPHA + PA_ROWS;
-};
 
 // One query row of a CTA.
 struct PaRow {
@@ -133,71 +126,14 @@ struct PaParams {
   int scale_per_head, always_partials, partials_in_out_type;
   int window_left, window_right;  // a query at position pos sees keys pos - window_left .. pos + window_right (-1: no
                                   // bound; causal: window_right 0; sliding_window W: window_left W - 1)
-  int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits, tiles;
+  int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits;
+  int tiles;         // paged_prefill_kernel's grid: row tiles of its ROWS
   int vec_k, vec_v;  // 16-byte copies allowed (alignment checked by the wrapper; V: of rows, or of vLLM's V^T runs of
                      // 16 bytes within a block)
-  int decode_tiles;  // paged_decode_kernel's grid: row tiles of its ROWS (as tiles is paged_attention_kernel's)
-  int decode_max_q;  // sequences with q_len <= decode_max_q are paged_decode_kernel's, the rest the other's
+  int decode_tiles;  // the decode kernel's grid: row tiles of its ROWS (MLA: head tiles x queries)
+  int decode_max_q;  // sequences with q_len <= decode_max_q are the decode kernel's, the rest paged_prefill_kernel's
   int block_shift;   // log2(block_size) when it is a power of two (shifts, not a division per copy), else -1
 };
-
-// Up to X elements (stride apart; `left` remain in the row) of a cache row as float32: one 16-byte
-// load when the wrapper found the addresses aligned and the elements contiguous.
-template <int KV, int X, class CacheT>
-__device__ __forceinline__ void pa_dequant_chunk(float* dst, const CacheT* src, long long stride, int left, int vec,
-                                                 float scale) {
-  if (vec && left >= X) {
-    const Vec<CacheT, X> v = load_vec<CacheT, X>(src);
-#pragma unroll
-    for (int e = 0; e < X; ++e) dst[e] = dequantize<KV, float>(v.v[e], scale);
-  } else {
-    for (int e = 0; e < X && e < left; ++e) dst[e] = dequantize<KV, float>(src[e * stride], scale);
-  }
-}
-
-// Load keys (and values unless SHARED_KV) base..base+n-1 of one kv head into shared memory as float32.
-// tile_blocks == nullptr: dense rows, key j at row key_row0 + j.
-template <class CacheT, int KV, int HD, int VHD, bool SHARED_KV>
-__device__ __forceinline__ void pa_load_tile(float* ks, float* vs, const CacheT* key_cache, const CacheT* value_cache,
-                                             const int* tile_blocks, int first_block, int base, int n, int kv_head,
-                                             long long key_row0, float k_scale, float v_scale, const PaParams& p) {
-  typedef PaSmem<HD, VHD, SHARED_KV> S;
-  constexpr int X = 16 / int(sizeof(CacheT));
-  const int dims = SHARED_KV ? p.head_size : max(p.head_size, p.v_head_size);
-  const int chunks = (dims + X - 1) / X;
-  for (int i = threadIdx.x; i < n * chunks; i += blockDim.x) {
-    const int j = i / chunks, c = i - j * chunks;
-    const int pos = base + j;
-    const long long block = tile_blocks ? tile_blocks[pos / p.block_size - first_block] : 0;
-    const long long off = tile_blocks ? pos % p.block_size : key_row0 + pos;
-    const int d0 = c * X;
-    if (d0 < p.head_size)
-      pa_dequant_chunk<KV, X>(ks + j * S::K_STRIDE + d0,
-                              key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c * p.k_chunk_stride +
-                                  off * p.k_page_stride,
-                              1, p.head_size - d0, p.vec_k, k_scale);
-    if (!SHARED_KV && d0 < p.v_head_size)
-      pa_dequant_chunk<KV, X>(vs + j * S::V_STRIDE + d0,
-                              value_cache + block * p.v_block_stride + kv_head * p.v_head_stride +
-                                  off * p.v_page_stride + d0 * p.v_dim_stride,
-                              p.v_dim_stride, p.v_head_size - d0, p.vec_v && p.v_dim_stride == 1, v_scale);
-  }
-}
-
-// q . k over n dimensions in four interleaved float32 sums: about half the rounding error of one running
-// sum, which the decode accuracy rule needs at MLA's 576 dimensions, and four independent chains.
-__device__ __forceinline__ float pa_dot(const float* q, const float* k, int n) {
-  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-  int d = 0;
-  for (; d + 4 <= n; d += 4) {
-    a0 += q[d] * k[d];
-    a1 += q[d + 1] * k[d + 1];
-    a2 += q[d + 2] * k[d + 2];
-    a3 += q[d + 3] * k[d + 3];
-  }
-  for (; d < n; ++d) a0 += q[d] * k[d];
-  return (a0 + a1) + (a2 + a3);
-}
 
 // Split partial outputs are float32, so the merge sees them unrounded; vLLM v2's tmp_output has the
 // output's type (p.partials_in_out_type), as vLLM's does.
@@ -272,233 +208,36 @@ __device__ __forceinline__ PaRange pa_visible(int pos, int seq_len, const PaPara
   return {lo, hi};
 }
 
-template <class T, int KV, int HD, int VHD, bool SHARED_KV>
-__global__ void __launch_bounds__(PA_THREADS, 1) paged_attention_kernel(
-    const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
-    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // see the layout note above
-    const typename CacheType<KV, T>::type* __restrict__ value_cache,
-    const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq], or nullptr: dense varlen keys
-    const int* __restrict__ seq_lens,        // [num_seqs] context lengths, or cu_seqlens_k [num_seqs + 1] when dense
-    const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
-    const int* __restrict__ seqused_k,       // dense: [num_seqs] keys used of each sequence's rows, or nullptr: all
-    const float* __restrict__ sinks,         // [num_heads] or nullptr
-    const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
-    const float* __restrict__ k_scale,       // [1] or [num_kv_heads], or nullptr: p.k_scale_value
-    const float* __restrict__ v_scale,
-    T* __restrict__ out,                     // [num_tokens, num_heads, v_head_size]
-    float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
-    float* __restrict__ max_logits,          // [num_tokens, num_heads, max_splits] or nullptr (no split)
-    float* __restrict__ exp_sums,            // [num_tokens, num_heads, max_splits]
-    void* __restrict__ tmp_output,           // [num_tokens, num_heads, max_splits, v_head_size] float32 or T
-    PaParams p) {
-  typedef PaSmem<HD, VHD, SHARED_KV> S;
-  extern __shared__ float smem[];
-  __shared__ PaRow rows[PA_ROWS];
-  __shared__ int tile_blocks[PA_TILE + 1];
-  __shared__ int span[2];
-  float* qs = smem + S::Q;
-  float* ks = smem + S::K;
-  float* vs = smem + S::V;
-  float* ps = smem + S::P;
-  float* row_m = smem + S::ROW_M;
-  float* row_l = smem + S::ROW_L;
-  float* row_alpha = smem + S::ROW_ALPHA;
-
-  const int kv_head = blockIdx.y, seq = blockIdx.z;
-  const int split = blockIdx.x / p.tiles;
-  const bool dense = block_tables == nullptr;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
-  const long long key_row0 = sq.key_row0;
-  const int seq_len = sq.seq_len, q_start = sq.q_start, q_len = sq.q_len;
-  const int group = p.num_heads / p.num_kv_heads;
-  const PaSplits splits = sq.splits;
-  if (split >= splits.count || q_len <= p.decode_max_q) return;  // idle CTA of a shape-sized grid, or decode's
-  const int split_lo = sq.split_lo, split_hi = sq.split_hi;
-  // Tiles of PA_ROWS rows, p.tiles apart: the grid is sized from the max_query_len hint, and a sequence
-  // with more rows than the hint said still has every row computed (by its CTAs' later iterations).
-  for (int row0 = (blockIdx.x % p.tiles) * PA_ROWS; row0 < q_len * group; row0 += p.tiles * PA_ROWS) {
-    const int nrows = min(PA_ROWS, q_len * group - row0);
-
-    if (threadIdx.x < PA_ROWS) {
-      const int r = threadIdx.x;
-      PaRow row{0, 0, 0, -1, 0.0f, neg_inf()};
-      if (r < nrows) {
-        const int i = (row0 + r) / group;
-        row.token = q_start + i;
-        row.head = kv_head * group + (row0 + r) % group;
-        const int pos = seq_len - q_len + i;
-        const PaRange vis = pa_visible(pos, seq_len, p);
-        row.lo = max(vis.lo, split_lo);
-        row.hi = min(vis.hi, split_hi);
-        row.slope = alibi_slopes ? alibi_slopes[row.head] : 0.0f;
-        row.sink = sinks ? sinks[row.head] : neg_inf();
-      }
-      rows[r] = row;
-      row_m[r] = neg_inf();
-      row_l[r] = 0.0f;
-    }
-    for (int i = threadIdx.x; i < PA_ROWS * HD; i += blockDim.x) {
-      const int r = i / HD, d = i - r * HD;
-      float x = 0.0f;
-      if (r < nrows && d < p.head_size) {
-        const int token = q_start + (row0 + r) / group, head = kv_head * group + (row0 + r) % group;
-        x = to_float(q[token * p.q_token_stride + head * p.q_head_stride + d]);
-      }
-      qs[i] = x;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {  // keys any row of this CTA can see: the only ones loaded
-      int lo = 0x7fffffff, hi = -1;
-      for (int r = 0; r < nrows; ++r)
-        if (rows[r].lo <= rows[r].hi) { lo = min(lo, rows[r].lo); hi = max(hi, rows[r].hi); }
-      span[0] = lo;
-      span[1] = hi;
-    }
-    __syncthreads();
-
-    // Each thread accumulates output columns d of its rows: rows rg, rg + RG, ... and columns t, t + 128, ...
-    constexpr int COLS = VHD >= PA_THREADS ? VHD / PA_THREADS : 1;
-    constexpr int RG = VHD >= PA_THREADS ? 1 : PA_THREADS / VHD;
-    constexpr int ROWS = PA_ROWS / RG;
-    const int my_rg = VHD >= PA_THREADS ? 0 : threadIdx.x / VHD;
-    const int my_col = VHD >= PA_THREADS ? threadIdx.x : threadIdx.x % VHD;
-    float acc[ROWS][COLS];
-#pragma unroll
-    for (int k = 0; k < ROWS; ++k)
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) acc[k][c] = 0.0f;
-
-    const float ks_scale = read_scale(k_scale, p.k_scale_value, p.scale_per_head, kv_head);
-    const float vs_scale = read_scale(v_scale, p.v_scale_value, p.scale_per_head, kv_head);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int base = span[0]; base <= span[1]; base += PA_TILE) {
-      const int n = min(PA_TILE, span[1] - base + 1);
-      const int first_block = base / p.block_size, last_block = (base + n - 1) / p.block_size;
-      for (int b = threadIdx.x; !dense && b <= last_block - first_block; b += blockDim.x)  // the table, once per block
-        tile_blocks[b] = block_tables[seq * p.table_stride + first_block + b];
-      __syncthreads();
-      pa_load_tile<typename CacheType<KV, T>::type, KV, HD, VHD, SHARED_KV>(
-          ks, vs, key_cache, value_cache, dense ? nullptr : tile_blocks, first_block, base, n, kv_head, key_row0,
-          ks_scale, vs_scale, p);
-      __syncthreads();
-      for (int i = threadIdx.x; i < nrows * n; i += blockDim.x) {  // scores of visible (row, key) pairs
-        const int r = i / n, j = i - r * n, key = base + j;
-        float s = neg_inf();
-        if (key >= rows[r].lo && key <= rows[r].hi) {
-          const float* qr = qs + r * HD;
-          const float* kr = ks + j * S::K_STRIDE;
-          s = pa_dot(qr, kr, p.head_size) * p.scale;
-          if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
-          s -= rows[r].slope * fabsf(float(key - (seq_len - q_len + (row0 + r) / group)));
-        }
-        ps[r * PA_TILE + j] = s;
-      }
-      __syncthreads();
-      for (int r = warp; r < nrows; r += PA_THREADS / 32) {  // online softmax, one warp per row
-        const float s = lane < n ? ps[r * PA_TILE + lane] : neg_inf();
-        float mx = s;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        const float m_old = row_m[r];
-        const float m_new = fmaxf(m_old, mx);
-        const float e = s == neg_inf() ? 0.0f : expf(s - m_new);
-        float sum = e;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if (lane < n) ps[r * PA_TILE + lane] = e;
-        __syncwarp();
-        if (lane == 0) {
-          const float alpha = m_old == neg_inf() ? 0.0f : expf(m_old - m_new);
-          row_alpha[r] = alpha;
-          row_l[r] = row_l[r] * alpha + sum;
-          row_m[r] = m_new;
-        }
-      }
-      __syncthreads();
-#pragma unroll
-      for (int k = 0; k < ROWS; ++k) {  // acc = acc * alpha + P V over each row's visible keys only
-        const int r = my_rg + k * RG;
-        if (r >= nrows) continue;
-        const float alpha = row_alpha[r];
-        const int j0 = max(rows[r].lo - base, 0), j1 = min(rows[r].hi - base, n - 1);
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-          const int d = my_col + c * PA_THREADS;
-          float a = acc[k][c] * alpha;
-          for (int j = j0; j <= j1; ++j) a += ps[r * PA_TILE + j] * vs[j * S::V_STRIDE + d];
-          acc[k][c] = a;
-        }
-      }
-      __syncthreads();
-    }
-
-    const bool partial = (splits.count > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
-#pragma unroll
-    for (int k = 0; k < ROWS; ++k) {
-      const int r = my_rg + k * RG;
-      if (r >= nrows) continue;
-      const PaRow row = rows[r];
-      const float m = row_m[r], l = row_l[r];
-      const long long th = (long long)row.token * p.num_heads + row.head;
-      if (partial) {
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-          const int d = my_col + c * PA_THREADS;
-          if (d < p.v_head_size)
-            pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, acc[k][c] * inv,
-                                p.partials_in_out_type);
-        }
-        if (my_col == 0) {
-          max_logits[th * p.max_splits + split] = m;
-          exp_sums[th * p.max_splits + split] = l;
-        }
-      }
-      if (splits.count == 1) {  // the whole context was this CTA's: finish the row here
-        const SoftmaxFinish fin = softmax_finish(m, l, row.sink);
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-          const int d = my_col + c * PA_THREADS;
-          if (d < p.v_head_size)
-            out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] =
-                from_float<T>(acc[k][c] * fin.scale);
-        }
-        if (lse && my_col == 0) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
-      }
-    }
-    __syncthreads();  // the next tile rewrites rows, q and the row statistics
-  }
-}
-
-
-// ---- The decode kernels: sequences whose query run is short (q_len <= PD_MAX_Q), flash / dense layouts with
-// 16-byte-aligned rows (the plan routes the rest to paged_attention_kernel). K/V stay in their storage dtype
-// in shared memory, filled by a 2-4 stage cp.async pipeline whose block ids are fetched a stage ahead
-// (pd_pipeline). paged_decode_kernel takes up to PD_ROWS = 4 query rows a CTA on CUDA cores: a lane owns 8
+// ---- The decode kernels: sequences whose query run is short (q_len <= PD_MAX_Q; every run for float32 q and
+// vLLM's layout), any layout (rows that are not 16-byte aligned are copied element by element). K/V stay in their
+// storage dtype in shared memory, filled by a 2-4 stage cp.async pipeline whose block ids are fetched a stage
+// ahead (pd_pipeline). paged_decode_kernel takes up to PD_ROWS = 4 query rows a CTA on CUDA cores: a lane owns 8
 // dimensions of a key row, so the LPR = HD / 8 lanes of a slot read one row with conflict-free vector loads
 // and that row serves all the CTA's rows, whose q and output accumulators live in registers; every slot keeps
 // its own online softmax over the keys it consumed, the slots of a warp and then the warps merge once at the
 // end. paged_decode_mma_kernel takes 8 rows a CTA on tensor cores, for GQA groups over 4 (its section below).
 constexpr int PD_THREADS = 128;  // 4 warps; a warp consumes its own slice of the keys of every stage
-constexpr int PD_TILE = 32;      // keys per pipeline stage of paged_decode_kernel
+constexpr int PD_TILE = 32;      // keys per pipeline stage of paged_decode_kernel (16 for float32 head 256) and MLA's
 constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernels take
 constexpr int PD_ROWS = 4;       // query rows per paged_decode_kernel CTA (8 would need ~230 registers)
 
-template <class CacheT, int HD>
+template <class CacheT, int HD, bool V_TRANSPOSED>
 struct PdSmem {
-  static constexpr int TILE = PD_TILE, PITCH = HD * int(sizeof(CacheT));   // a stage's keys; its rows' bytes
+  static constexpr int TILE = sizeof(CacheT) == 4 && HD == 256 ? 16 : PD_TILE;  // keys a stage (16: 3 stages < 99 KB)
+  static constexpr int PITCH = HD * int(sizeof(CacheT));                  // K (and V) rows' bytes
   static constexpr int K_DIMS = HD, V_DIMS = HD;
   static constexpr bool PREFETCH = true;                                  // block ids a tile ahead (pd_pipeline)
-  static constexpr bool VT = false;                                       // V in rows, as K
+  static constexpr bool VT = V_TRANSPOSED;  // vLLM's values: V^T rows of TILE keys (+16 bytes), read down a column
+  static constexpr int VT_PITCH = TILE * int(sizeof(CacheT)) + 16;
   static constexpr int UNROLL = sizeof(CacheT) == 4 ? 1 : 0;  // pd_issue's loop (0: the compiler's choice); float32
                                                               // not unrolled: its copies' addresses would spill
-  static constexpr int STAGE = 2 * TILE * PITCH;                          // K tile then V tile, bytes
+  static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);  // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
   static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;                // per warp: m, l, o of each row
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
   static __device__ __forceinline__ int k_at(int j, int c) { return j * PITCH + c * 16; }  // pd_issue's placement
   static __device__ __forceinline__ int v_at(int j, int c) { return (TILE + j) * PITCH + c * 16; }
-  static __device__ __forceinline__ int vt_at(int, int) { return 0; }
+  static __device__ __forceinline__ int vt_at(int run, int dim) { return TILE * PITCH + dim * VT_PITCH + run * 16; }
 };
 
 // 16 bytes global -> shared, of which `bytes` are read (the rest zero-filled: the row's tail past head_size).
@@ -650,10 +389,13 @@ struct PdRow8 {
   Vec<CacheT, 8> v;
 };
 
-template <class CacheT>
+template <class CacheT, int STRIDE = 1>
 __device__ __forceinline__ PdRow8<CacheT> pd_load8(const CacheT* row) {
   PdRow8<CacheT> r;
-  if constexpr (sizeof(CacheT) == 4) {
+  if constexpr (STRIDE > 1) {  // a column of a V^T tile: elements STRIDE apart
+#pragma unroll
+    for (int e = 0; e < 8; ++e) r.v.v[e] = row[e * STRIDE];
+  } else if constexpr (sizeof(CacheT) == 4) {
     const Vec<CacheT, 4> a = load_vec<CacheT, 4>(row), b = load_vec<CacheT, 4>(row + 4);
 #pragma unroll
     for (int e = 0; e < 4; ++e) { r.v.v[e] = a.v[e]; r.v.v[e + 4] = b.v[e]; }
@@ -675,7 +417,7 @@ __device__ __forceinline__ float2 pd_pair(const PdRow8<CacheT>& r, int e) {
 
 // The end of a decode CTA's row tile, once every warp has written its (m, l, o) of each of the ROWS rows to `smem`
 // as [4][ROWS] maxima, [4][ROWS] sums, [4][ROWS][HD] outputs (o with the V scale): merge the warps and write the
-// partials of a split or the finished output and LSE, as paged_attention_kernel does.
+// partials of a split or the finished output and LSE (the layouts every kernel here shares).
 template <class T, int HD, int ROWS>
 __device__ __forceinline__ void pd_store(const unsigned char* smem, const PaRow* rows, int nrows, int split,
                                          int num_splits, int seq_len, T* out, float* lse, float* max_logits,
@@ -753,7 +495,7 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, float (&m)[PD_ROW
 // o = o * alpha + w v. Masking by selection: v is never weighted by 0. `all_see`: every row sees the whole tile
 // (the rows' bounds need not be read); `alibi`: slopes are given. q stays in its own type (16-bit pairs take half
 // the registers; exact), scaled after the dot product.
-template <int KV, int LPR, class T, class CacheT>
+template <int KV, int LPR, int VSTRIDE, class T, class CacheT>
 __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT* vrow_ptr, int key, const PaRow* rows,
                                            int nrows, bool all_see, bool alibi, const Vec<T, 8> (&qv)[PD_ROWS],
                                            float qscale, float (&o)[PD_ROWS][8], float (&m)[PD_ROWS],
@@ -787,7 +529,7 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
     m[r] = mx;
     seen |= 1 << r;
   }
-  const PdRow8<CacheT> vrow = pd_load8(vrow_ptr);  // loaded after the scores: k is dead
+  const PdRow8<CacheT> vrow = pd_load8<CacheT, VSTRIDE>(vrow_ptr);  // loaded after the scores: k is dead
 #pragma unroll
   for (int e = 0; e < 8; e += 2) {
     const float2 v = pd_pair<KV>(vrow, e);
@@ -800,11 +542,11 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
   }
 }
 
-template <class T, int KV, int HD>
+template <class T, int KV, int HD, bool VT>
 __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
-    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
-    const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
+    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, dense rows, or vLLM's
+    const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (VT: values [.., head_size, block_size])
     const int* __restrict__ block_tables,    // [num_seqs, max_blocks_per_seq], or nullptr: dense varlen keys
     const int* __restrict__ seq_lens,        // [num_seqs], or cu_seqlens_k [num_seqs + 1] when dense
     const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
@@ -812,17 +554,17 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
     const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] / [num_kv_heads] or nullptr
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
-    void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
+    void* __restrict__ tmp_output, PaParams p) {  // as paged_decode_kernel's
   typedef typename CacheType<KV, T>::type CacheT;
-  typedef PdSmem<CacheT, HD> S;
-  constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROWS = PD_ROWS;
+  typedef PdSmem<CacheT, HD, VT> S;
+  constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROWS = PD_ROWS, TILE = S::TILE;
   extern __shared__ __align__(16) unsigned char pd_smem[];
   __shared__ PaRow rows[ROWS];
   __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads;
-  if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_attention_kernel's
+  if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_prefill_kernel's
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
   const float qscale = p.scale * pd_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const float oscale = pd_scale<KV>(v_scale, p.v_scale_value, kv_head, p);
@@ -848,14 +590,17 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
       l[r] = 0.0f;
       if (threadIdx.x == 0) rows[r] = row;
     }
-    pd_pipeline<S>(pd_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
+    const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
+    pd_pipeline<S>(pd_smem, ids, table, first, hi, p, [&](unsigned char* stage, const int* tile_ids, PdTile tile) {
       pd_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
-      const bool all_see = base >= lo_all && base + PD_TILE - 1 <= hi_all;
-      for (int j = warp * (PD_TILE / 4) + slot; j < (warp + 1) * (PD_TILE / 4); j += SLOTS)
-        pd_consume<KV, LPR>(reinterpret_cast<const CacheT*>(stage + j * S::PITCH) + d0,
-                            reinterpret_cast<const CacheT*>(stage + (PD_TILE + j) * S::PITCH) + d0, base + j, rows,
-                            nrows, all_see, alibi_slopes != nullptr, qv, qscale, o, m, l, p.softcap);
+      const bool all_see = base >= lo_all && base + TILE - 1 <= hi_all;
+      for (int j = warp * (TILE / 4) + slot; j < (warp + 1) * (TILE / 4); j += SLOTS)
+        pd_consume<KV, LPR, VT ? S::VT_PITCH / int(sizeof(CacheT)) : 1>(
+            reinterpret_cast<const CacheT*>(stage + j * S::PITCH) + d0,
+            reinterpret_cast<const CacheT*>(stage + (VT ? S::vt_at(0, d0) + j * int(sizeof(CacheT))
+                                                        : (TILE + j) * S::PITCH + d0 * int(sizeof(CacheT)))),
+            base + j, rows, nrows, all_see, alibi_slopes != nullptr, qv, qscale, o, m, l, p.softcap);
     });
     pd_finish<HD>(pd_smem, m, l, o, oscale);
     pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,
@@ -1370,7 +1115,7 @@ __global__ void __launch_bounds__(PD_THREADS, 2) paged_prefill_kernel(
     const int* __restrict__ seqused_k, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
-    void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
+    void* __restrict__ tmp_output, PaParams p) {  // as paged_decode_kernel's
   typedef typename CacheType<KV, T>::type CacheT;
   typedef PfSmem<CacheT, HD, VHD> S;
   constexpr int TILE = S::TILE, MW = S::MW, ROWS = S::ROWS;
@@ -1448,9 +1193,8 @@ __global__ void __launch_bounds__(PD_THREADS, 2) paged_prefill_kernel(
   }
 }
 
-// ---- MLA decode on tensor cores: one query per sequence (q_len 1) over the latent cache, 16-bit q (the plan
-// routes float32, longer query runs and misaligned caches to paged_attention_kernel). A CTA takes ROWS = 16 MT
-// query heads of one sequence and split; the latent rows (key = the row, value = its first v_head_size
+// ---- MLA on tensor cores over the latent cache, 16-bit q: every query run, a CTA one query of it at a time (one
+// position for all its heads). A CTA takes ROWS = 16 MT query heads of one sequence and split; the latent rows (key = the row, value = its first v_head_size
 // entries) arrive in stages of PD_TILE keys through a cp.async pipeline, stay in shared memory in their own
 // type (fp8 is converted to q's type once per tile, exactly) and feed both products:
 //   scores S = Q K^T: warp w takes m tile w / 4 over the k16 steps of quarter w % 4 (q in registers, 36 per
@@ -1684,7 +1428,7 @@ __global__ void __launch_bounds__(128 * MT, MT == 1 ? 2 : 1) mla_decode_kernel(
     const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] or nullptr
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
-    void* __restrict__ tmp_output, PaParams p) {  // as paged_attention_kernel's
+    void* __restrict__ tmp_output, PaParams p) {  // as paged_decode_kernel's
   typedef typename CacheType<KV, T>::type CacheT;
   typedef MdSmem<CacheT, MT> S;
   constexpr int MW = MT == 1 ? 1 : 2, NC = 16 / MW;  // P V: m tiles and n8 column tiles of a warp

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -206,17 +207,24 @@ def test_mla_decode_filling_a_wave_is_not_split():
     assert plan.max_splits == 1 and math.prod(plan.decode_grid) == 256
 
 
-def test_a_decode_kernel_the_sm_cannot_hold_is_not_planned(monkeypatch):
-    """float32 head-256 decode stages take 128 KB: on a GPU with 100 KB of shared memory an SM (sm_86 / sm_89) the
-    plan leaves those rows to paged_attention_kernel (82 KB) instead of a decode kernel that cannot launch; the
-    tensor-core and 16-bit decode kernels (<= 70 KB) still fit. Before, the plan chose it and check_fits refused."""
+@pytest.mark.parametrize("dtype, head, kind", [(np.float32, 256, "decode"), (F16, 256, "prefill"),
+                                               (ml_dtypes.bfloat16, 192, "prefill"), (F16, 576, "mla")])
+def test_every_kernel_fits_a_100_kb_sm(monkeypatch, dtype, head, kind):
+    """On a GPU with 100 KB of shared memory an SM (sm_86 / sm_89) every kernel a plan launches fits: float32
+    head-256 decode stages of 16 keys (96 KB; 32 keys took 128 KB, and v5 left those rows to the kernel v6 deleted),
+    the prefill kernel's 2 stages where 3 would pass 99 KB, MLA's 16-head CTAs (83 KB) where 32-head ones (130 KB)
+    would not fit."""
     from cupaged import attention
 
     monkeypatch.setattr(attention, "sm_shared_bytes", lambda xp: 100 * 1024)
-    for dtype, head, decoded in ((np.float32, 256, False), (np.float32, 128, True), (F16, 128, True)):
-        q = np.empty((2, 16, head), dtype)
+    q = np.empty((40, 128 if kind == "mla" else 16, head), dtype)
+    if kind == "mla":
+        kv = cupaged.KvView.mla(np.empty((1, 16, head), dtype), 512)
+    else:
         cache = np.empty((1, 16, 2, head), dtype)
-        plan = cupaged.plan_attention(q, cupaged.KvView.paged(cache, cache, q), np.empty((2, 4), np.int32),
-                                      np.empty(2, np.int32))
-        assert (plan.decode_kernel is not None) == decoded, (dtype, head)
-        assert all(need + 1024 <= 100 * 1024 for *_, need in plan.main_launches)
+        kv = cupaged.KvView.paged(cache, cache, q)
+    qsl = np.empty(3, np.int32) if kind == "prefill" else None
+    plan = cupaged.plan_attention(q[:2] if qsl is None else q, kv, np.empty((2, 4), np.int32), np.empty(2, np.int32),
+                                  qsl)
+    assert plan.main_launches and all(need + 1024 <= 100 * 1024 for *_, need in plan.main_launches)
+    assert ("paged_prefill" in plan.kernel) if kind == "prefill" else plan.kernel is None

@@ -1,5 +1,5 @@
 """The Python mirrors of kernel constants and parameter structs (cupaged/_mirror.py) against what the
-compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field, PaSmem's size, the decode
+compiler lays out: a kernel reports ``sizeof`` / ``offsetof`` of every field, the decode
 kernels' PdSmem and PmSmem (every cache element size and head bucket), the MLA decode kernel's MdSmem and the
 prefill kernel's PfSmem (its bytes, rows a CTA and keys a stage)."""
 
@@ -16,18 +16,15 @@ from cupaged._mirror import constants, struct_dtype
 
 def _probe_source() -> tuple:
     fields = list(attention.params_dtype().names)
-    smem = [(hd, hd, False) for hd in attention.HEAD_BUCKETS] + [(*attention.MLA_BUCKET, True)]
     lines = [f"  out[{1 + i}] = reinterpret_cast<const char*>(&p.{f}) - base;" for i, f in enumerate(fields)]
-    lines += [f"  out[{1 + len(fields) + i}] = cupaged::PaSmem<{hd}, {vhd}, {'true' if s else 'false'}>::FLOATS;"
-              for i, (hd, vhd, s) in enumerate(smem)]
-    decode = [("PdSmem", c, size, hd, "") for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
-              for hd in attention.HEAD_BUCKETS]
+    decode = [("PdSmem", c, size, hd, vt) for c, size in (("unsigned char", 1), ("__half", 2), ("float", 4))
+              for hd in attention.HEAD_BUCKETS for vt in (", false", ", true")]
     decode += [("PmSmem", c, size, hd, vt) for c, size in (("unsigned char", 1), ("__half", 2))
                for hd in kernels.MMA_BUCKETS for vt in (", false", ", true")]
-    lines += [f"  out[{1 + len(fields) + len(smem) + i}] = cupaged::{s}<{c}, {hd}{vt}>::BYTES;"
+    lines += [f"  out[{1 + len(fields) + i}] = cupaged::{s}<{c}, {hd}{vt}>::BYTES;"
               for i, (s, c, _, hd, vt) in enumerate(decode)]
     mla = [(c, size, mt) for c, size in (("unsigned char", 1), ("__half", 2)) for mt in kernels.MLA_TILES]
-    at = 1 + len(fields) + len(smem) + len(decode)
+    at = 1 + len(fields) + len(decode)
     lines += [f"  out[{at + i}] = cupaged::MdSmem<{c}, {mt}>::BYTES;" for i, (c, _, mt) in enumerate(mla)]
     prefill = [(c, size, hd, vhd) for c, size in (("unsigned char", 1), ("__half", 2))
                for hd, vhd in kernels.PREFILL_BUCKETS]
@@ -37,19 +34,18 @@ def _probe_source() -> tuple:
     probe = ('extern "C" __global__ void pa_layout(long long* out) {\n  cupaged::PaParams p;\n'
              '  const char* base = reinterpret_cast<const char*>(&p);\n  out[0] = sizeof(cupaged::PaParams);\n'
              + "\n".join(lines) + "\n}\n")
-    return attention.FAMILY.source + probe, fields, smem, decode, mla, prefill
+    return attention.FAMILY.source + probe, fields, decode, mla, prefill
 
 
 def test_params_struct_and_shared_memory_match_the_kernel():
-    source, fields, smem, decode, mla, prefill = _probe_source()
-    out = sim.zeros(1 + len(fields) + len(smem) + len(decode) + len(mla) + 3 * len(prefill), np.int64)
+    source, fields, decode, mla, prefill = _probe_source()
+    out = sim.zeros(1 + len(fields) + len(decode) + len(mla) + 3 * len(prefill), np.int64)
     sim.RawModule(code=source, options=("-std=c++17",)).get_function("pa_layout")((1,), (1,), (out,))
     dtype = attention.params_dtype()
     assert out[0] == dtype.itemsize
     assert out[1:1 + len(fields)].tolist() == [dtype.fields[f][1] for f in fields]
-    n = 1 + len(fields) + len(smem)
-    assert [4 * int(x) for x in out[1 + len(fields):n]] == [kernels.smem_bytes(*s) for s in smem]
-    want = [kernels.decode_smem_bytes(size, hd) if s == "PdSmem"
+    n = 1 + len(fields)
+    want = [kernels.decode_smem_bytes(size, hd, "true" in vt) if s == "PdSmem"
             else kernels.decode_mma_smem_bytes(size, hd, "true" in vt) for s, _, size, hd, vt in decode]
     assert out[n:n + len(decode)].tolist() == want
     n += len(decode)

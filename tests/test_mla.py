@@ -292,3 +292,15 @@ def test_mla_query_runs_through_run_attention(backend, kv_cache_dtype, split, he
     ref, _ = reference.mla_decode(q, cache, table[seq], prefix, scale=0.05, kv_cache_dtype=kv_cache_dtype,
                                   k_scale=scale)
     assert_close(backend.to_numpy(out), ref, tolerance(ml_dtypes.bfloat16, kv_cache_dtype))
+
+
+def test_mla_decode_of_float32_q_is_not_implemented(backend):
+    """float32 q over a latent cache: a NotImplementedError naming q's dtype before any launch (mla_decode_kernel
+    runs on tensor cores, as FlashMLA's and FlashInfer's MLA kernels do), out untouched."""
+    rng = np.random.default_rng(9)
+    cache, table, _ = latent_pool(rng, [40], 16, np.float32, "auto")
+    out = backend.asarray(np.full((1, 16, RANK), 7.0, np.float32))
+    args = [backend.asarray(a) for a in (np.zeros((1, 16, 576), np.float32), cache, table, np.array([40], np.int32))]
+    with pytest.raises(NotImplementedError, match="float32"):
+        cupaged.mla_decode(*args, scale=0.05, out=out)
+    assert (backend.to_numpy(out) == 7.0).all()

@@ -315,10 +315,10 @@ def test_validate_checks_contents(backend, monkeypatch):
 @pytest.mark.parametrize("order", ["reverse", "random:11"])
 def test_no_race_bitwise_same_in_every_sim_order(monkeypatch, order, heads):
     """Block and thread scheduling order cannot change a result (a race would): paged_decode_kernel (GQA 4)
-    and paged_decode_mma_kernel (GQA 8) beside paged_attention_kernel (the 7-token run)."""
+    and paged_decode_mma_kernel (GQA 8) with the 7-token run, paged_prefill_kernel with the 40-token one."""
     from tests.conftest import Backend
 
-    case = C(seqs=((1, 300), (7, 40)), heads=heads, head_size=64, kv_split_size=64, sinks=True, window=200)
+    case = C(seqs=((1, 300), (7, 40), (40, 90)), heads=heads, head_size=64, kv_split_size=64, sinks=True, window=200)
     natural = run(Backend("sim"), case)[:2]
     monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
     other = run(Backend("sim"), case)[:2]

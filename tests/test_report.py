@@ -16,7 +16,7 @@ from cupaged.resources import KernelResources
 from cupaged.sim.model import ctas_per_sm
 
 PROFILING = os.path.join(os.path.dirname(__file__), "..", "profiling")
-DECODE_KERNEL = "cupaged::paged_attention_kernel<__half, 0, 128, 128, false>"
+DECODE_KERNEL = "cupaged::paged_decode_kernel<__half, 0, 128, false>"
 REDUCE_KERNEL = "cupaged::paged_attention_reduce_kernel<__half>"
 NEVER_KERNEL = "cupaged::never_launched<float>"
 

@@ -87,7 +87,7 @@ def test_bad_input(backend, case):
         cupaged.varlen_attention(**a)
 
 
-# FlashAttention's options on long runs (the tensor-core prefill kernel for 16-bit q, paged_attention_kernel for
+# FlashAttention's options on long runs (the tensor-core prefill kernel for 16-bit q, paged_decode_kernel for
 # float32): bottom-right aligned windows on both sides, causal or not, softcap, ALiBi, sinks and seqused_k, whose
 # count also sets the queries' positions. Lengths: 17, 63, 64, 65 and 130 query rows over longer key runs.
 OPTIONS = {
