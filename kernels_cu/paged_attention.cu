@@ -885,12 +885,13 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
 }
 
 // ---- Prefill on tensor cores (FlashAttention-2's design): the query runs longer than the decode kernels take,
-// 16-bit q over flash NHD / HND caches or dense rows that are contiguous and 16-byte aligned. A CTA takes PF_ROWS =
-// 64 query rows ((token, head) pairs of one GQA group, token-major, so K/V are read once for the group), 16 a warp,
-// and walks their keys in tiles of S::TILE through the decode kernels' cp.async pipeline (pd_pipeline):
+// 16-bit q over flash NHD / HND caches or dense rows. A CTA takes S::ROWS = 128 query rows ((token, head) pairs of
+// one GQA group, token-major, so K/V are read once for the group; 64 when V's head size is over 128), MW = 2 m16
+// tiles a warp (1 above 128), so every K / V fragment a warp loads serves 2 tiles of rows, and walks their keys in
+// stages of S::TILE through the decode kernels' cp.async pipeline (pd_pipeline):
 //   S = Q K^T by mma.sync m16n8k16: Q's A and K's B fragments by ldmatrix from shared tiles whose 16-byte chunks are
 //     XOR-swizzled by row (pf_at): conflict-free without padding;
-//   the online softmax in registers: a lane holds two rows' scores (g, g + 8 of its warp's 16), row maxima and sums
+//   the online softmax in registers: a lane holds rows g, g + 8 of each of its warp's m tiles, row maxima and sums
 //     over its quad by shuffles; masks (causal, windows, the split's ends, keys past the last) only on tiles not
 //     wholly visible to the warp's rows, and a warp skips the tiles none of its rows sees;
 //   O += P V: the C fragments of S rounded to q's type are P's A fragments as they lie, V's B fragments come by
@@ -899,8 +900,7 @@ __global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
 // not give 16-bit fragments), their scales folded into the scores' scale and the output. Head sizes below the
 // bucket are zero-filled by the copies (src-size), so the mma sums zeros. Row tiles run heaviest first: the last
 // rows of a causal run see the most keys. Every key a stage holds is visible to some row of the CTA or zero-filled
-// past the last, so a masked row's 0 weight only ever meets real values.
-constexpr int PF_MAX_ROWS = 128;  // query rows per CTA (head sizes up to 128: 2 m16 tiles a warp; above: 1)
+// past the last, so a masked row's 0 weight only ever meets real values. 255 registers (2 CTAs an SM at most).
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW-byte rows (ROW a multiple of 128): the chunk's
 // low 3 bits XOR the row's, so ldmatrix's 8 rows at one chunk hit 8 different 16-byte bank groups.

@@ -133,7 +133,8 @@ def project_ragged(name: str, q_lens, contexts, m=MIXED) -> dict:
     s = shape(name, len(q_lens), max(contexts), max(q_lens), m["heads"], m["kv_heads"], HEAD, m["kv_dtype"])
     c = attention_cost(np.array(contexts), np.array(q_lens), num_heads=m["heads"], num_kv_heads=m["kv_heads"],
                        head_size=HEAD, v_head_size=HEAD, kv_itemsize=np.dtype(dtype).itemsize,
-                       q_itemsize=np.dtype(dtype).itemsize, out_itemsize=np.dtype(dtype).itemsize, block_size=BLOCK)
+                       q_itemsize=np.dtype(dtype).itemsize, out_itemsize=np.dtype(dtype).itemsize, block_size=BLOCK,
+                       causal=True)
     return _model.project(s, run, c, 1, (1, m["kv_heads"], 1))
 
 

@@ -145,6 +145,7 @@ COVERING = [
     # GQA 1 / 4 / 8, head sizes below their bucket, block sizes 8 / 48 / 96, fp8 with both scale kinds, splits
     C(heads=(8, 2), seqs=((17, 17), (63, 100), (64, 64), (65, 300), (1, 40)), dtype=BF16),
     C(heads=(4, 4), head_size=72, block_size=8, seqs=((65, 65), (17, 80))),
+    C(heads=(8, 2), head_size=80, block_size=32, seqs=((66, 70), (1, 33)), dtype=BF16, softcap=30.0),
     C(heads=(8, 1), head_size=96, block_size=48, seqs=((64, 200), (63, 63)), dtype=BF16, layout="HND", sinks=True),
     C(heads=(4, 1), head_size=112, block_size=96, seqs=((65, 65), (20, 130)), kv_cache_dtype="fp8_e4m3",
       per_head_scales=True),
