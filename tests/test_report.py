@@ -125,7 +125,7 @@ def test_series_splits_by_what_varies_at_one_x(plots, rows):
 
 def test_kernel_launches_grouped_by_kernel(plots, rows):
     items = plots.kernel_launches(rows)
-    assert [k for k, _, _ in items] == [DECODE_KERNEL] * 24 + [REDUCE_KERNEL] * 24
+    assert [k for k, _, _ in items] == [REDUCE_KERNEL] * 24 + [DECODE_KERNEL] * 24  # by name, rows in order
     assert items[0][1] == items[24][1] == "decode b=1 ctx=512 h=8/8 d=128 fp16"
     prefill = row("prefill", 8, 2048, 2048, 32, 8, "bf16", 1.0, 1.0)
     merge = row("merge_attn_states", 4, 1, 1, 32, 32, None, 1.0, 0.0)
