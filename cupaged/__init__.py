@@ -14,11 +14,12 @@ from cupaged.mla import mla_chunked_prefill, mla_decode
 from cupaged.paged_attention import paged_attention
 from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
 from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks, PoolUsage
+from cupaged.rope import RotaryEmbedding, rope_and_cache
 from cupaged.varlen_attention import varlen_attention
 
 __version__ = "0.1.0"
 
-for _public in (AttentionPlan, KvView, KVCache, BatchPlan, BlockPool, OutOfBlocks, PoolUsage):
+for _public in (AttentionPlan, KvView, KVCache, BatchPlan, BlockPool, OutOfBlocks, PoolUsage, RotaryEmbedding):
     _public.__module__ = __name__  # tracebacks and reprs name cupaged.X, where users import it from
 del _public
 
@@ -28,5 +29,5 @@ __all__ = [
     "paged_attention_v2", "varlen_attention", "mla_decode", "AttentionPlan", "KvView", "plan_attention",
     "run_attention", "workspace_bytes",
     "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",
-    "__version__",
+    "RotaryEmbedding", "rope_and_cache", "__version__",
 ]

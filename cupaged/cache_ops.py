@@ -100,21 +100,11 @@ def _check_cache_dtype(name, cache, want, kv_cache_dtype):
     check_writable(name, cache)
 
 
-@accepts_foreign_arrays
-def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
-                            k_scale=1.0, v_scale=1.0, *, layout="NHD", validate=None):
-    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into flash-layout caches.
-
-    ``slot_mapping[t]`` (int64 or int32) = block_id * block_size + offset; negative slots are
-    skipped. ``layout`` "NHD": caches ``[num_blocks, block_size, num_kv_heads, head_size]``;
-    "HND": ``[num_blocks, num_kv_heads, block_size, head_size]``. key/value may be views with any
-    token stride (slices of a fused QKV buffer). fp8 caches (kv_cache_dtype "fp8", "fp8_e4m3",
-    "fp8_e5m2") are uint8 and store saturate(x / scale); ``k_scale``/``v_scale`` are floats or
-    float32 arrays of 1 or ``[num_kv_heads]`` values. With ``validate=True`` (or
-    ``CUPAGED_VALIDATE=1``) slots are checked against the pool first; otherwise an out-of-range
-    slot is undefined behaviour on the GPU, as in vLLM.
-    """
-    xp = array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+def check_flash_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, layout,
+                      validate, xp):
+    """A flash-layout cache write's checks, all before any launch (reshape_and_cache_flash, rope_and_cache):
+    (key's C type, the caches' (block, slot-in-block, head) element strides, the kernel's scale arguments,
+    block_size)."""
     check_choice("layout", layout, LAYOUTS)
     ctype, want = _check_key_value(key, value, kv_cache_dtype)
     dims = "[num_blocks, block_size, num_kv_heads, head_size]" if layout == "NHD" else \
@@ -140,10 +130,30 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     if validate_enabled(validate):
         check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
         check_scale_values(kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    return ctype, (cache_strides[0], cache_strides[page_axis], cache_strides[heads_axis]), scales, block_size
+
+
+@accepts_foreign_arrays
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype="auto",
+                            k_scale=1.0, v_scale=1.0, *, layout="NHD", validate=None):
+    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` into flash-layout caches.
+
+    ``slot_mapping[t]`` (int64 or int32) = block_id * block_size + offset; negative slots are
+    skipped. ``layout`` "NHD": caches ``[num_blocks, block_size, num_kv_heads, head_size]``;
+    "HND": ``[num_blocks, num_kv_heads, block_size, head_size]``. key/value may be views with any
+    token stride (slices of a fused QKV buffer). fp8 caches (kv_cache_dtype "fp8", "fp8_e4m3",
+    "fp8_e5m2") are uint8 and store saturate(x / scale); ``k_scale``/``v_scale`` are floats or
+    float32 arrays of 1 or ``[num_kv_heads]`` values. With ``validate=True`` (or
+    ``CUPAGED_VALIDATE=1``) slots are checked against the pool first; otherwise an out-of-range
+    slot is undefined behaviour on the GPU, as in vLLM.
+    """
+    xp = array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    ctype, cache_strides, scales, block_size = check_flash_write(key, value, key_cache, value_cache, slot_mapping,
+                                                                kv_cache_dtype, k_scale, v_scale, layout, validate, xp)
+    num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0 or num_kv_heads * head_size == 0:
         return
-    strides = (*element_strides("key", key)[:2], *element_strides("value", value)[:2],
-               cache_strides[0], cache_strides[page_axis], cache_strides[heads_axis])
+    strides = (*element_strides("key", key)[:2], *element_strides("value", value)[:2], *cache_strides)
     vec = 16 // key.itemsize
     if not (head_size % vec == 0 and _aligned((key, value, key_cache, value_cache), strides, vec)):
         vec = 1

@@ -17,11 +17,12 @@ import ml_dtypes
 import numpy as np
 
 from cupaged import reference
-from cupaged._backend import GpuUnavailableError, gpu_module, require_gpu
+from cupaged._backend import GpuUnavailableError, gpu_module, host_copy, require_gpu
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_decode
 from cupaged.paged_attention import paged_attention
 from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
+from cupaged.rope import RotaryEmbedding, rope_and_cache
 from cupaged.testing import compare, paged_kv, tolerance
 from cupaged.varlen_attention import varlen_attention
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache
@@ -68,6 +69,23 @@ def _flash(dtype, layout, kv_cache_dtype="auto"):
         rk, rv = reference.reshape_and_cache_flash(key, value, cache, cache, slots, kv_cache_dtype, 0.05, 0.07,
                                                    layout=layout)
         return _worst((kc, rk, EXACT), (vc, rv, EXACT))  # a copy / quantization must be exact
+    return case
+
+
+def _rope(dtype, kv_cache_dtype, neox):
+    """rope_and_cache: q and k rotated in place (48 of 64 dims), the rotated k and v written into an NHD cache."""
+    def case(asarray, rng):
+        tokens, blocks, block_size = 37, 12, 5
+        q, (k, v) = rng.standard_normal((tokens, 4, 64)).astype(dtype), _kv(rng, tokens, 2, 64, dtype)
+        table, pos = RotaryEmbedding(64, is_neox_style=neox, rotary_dim=48).cos_sin_cache(512), rng.integers(0, 512, 37)
+        cache, slots = np.zeros((blocks, block_size, 2, 64), _cache_dtype(dtype, kv_cache_dtype)), _slots(rng, 37, 60)
+        dq, dk, kc, vc = asarray(q), asarray(k), asarray(cache), asarray(cache)
+        rope_and_cache(dq, dk, asarray(v), asarray(pos), asarray(table), kc, vc, asarray(slots), kv_cache_dtype, 0.05,
+                       0.07, is_neox_style=neox)
+        rq, rk, _, rv = reference.rope.rope_and_cache(q, k, v, pos, table, cache, cache, slots, kv_cache_dtype, 0.05,
+                                                      0.07, is_neox_style=neox)
+        own, _ = reference.reshape_and_cache_flash(host_copy(dk), v, cache, cache, slots, kv_cache_dtype, 0.05, 0.07)
+        return _worst((dq, rq, tolerance(dtype)), (dk, rk, tolerance(dtype)), (kc, own, EXACT), (vc, rv, EXACT))
     return case
 
 
@@ -224,6 +242,8 @@ CASES = {
     **{f"concat_and_cache_mla + gather {np.dtype(dt).name} {kv}": _mla_write_and_gather(dt, kv)
        for dt in (np.float16, ml_dtypes.bfloat16) for kv in ("auto", "fp8")},
     "copy_blocks + cp_gather_cache float16": _copy_and_cp_gather,
+    **{f"rope_and_cache {np.dtype(dt).name} {kv} {'neox' if neox else 'gptj'}": _rope(dt, kv, neox)
+       for dt, kv, neox in ((np.float32, "auto", True), (ml_dtypes.bfloat16, "auto", False), (np.float16, "fp8", True))},
     **{f"paged_attention {np.dtype(dt).name}": _attention(dt) for dt in _DTYPES},
     "paged_attention bfloat16 window+sinks+softcap": _attention(ml_dtypes.bfloat16, sliding_window=16, sinks=True,
                                                                 softcap=30.0),

@@ -1,0 +1,115 @@
+// rope.cu: rotary position embeddings (RoPE) in place, and fused with the paged-cache write of k and v.
+//
+// Maths: a token at position p rotates the first rotary_dim dimensions of every q and k head in pairs: pair i
+// (i < rotary_dim / 2) is dims (i, i + rotary_dim / 2) in GPT-NeoX style, (2i, 2i + 1) in GPT-J style, and
+//   (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),  cos, sin of p * inv_freq[i],
+// computed in float32 and rounded to the data's type once. cos and sin come from a cos_sin_cache row (float32
+// [max_position, rotary_dim]: the rotary_dim / 2 cosines, then the sines, as vLLM lays it out) or, without one,
+// from inv_freq in float64 (sincos of p * inv_freq[i], rounded to float32: the cache's own values).
+//
+// Layouts (docs/conventions.md §4), strides in elements, last dimension contiguous:
+//   q              [num_tokens, num_heads, head_size]      any token / head stride (views of a fused QKV buffer)
+//   k, v           [num_tokens, num_kv_heads, head_size]
+//   positions      int64 or int32 [num_tokens]
+//   cos_sin_cache  float32 [max_position, rotary_dim], or inv_freq float64 [rotary_dim / 2]
+//   key_cache, value_cache  flash NHD [num_blocks, block_size, num_kv_heads, head_size] or HND
+//                  [num_blocks, num_kv_heads, block_size, head_size] (uint8 for fp8), (block, slot, head) strides
+//   slot_mapping   int64 or int32 [num_tokens]; < 0 = padding: rotated, not written
+//
+// Versions (memory-bound: every q / k / v byte read once and written once):
+//   v1 rope_kernel / rope_and_cache_kernel: one CTA per token, a thread per (head, pair), then per k / v element
+//      of the cache write (fp8: saturate(x / scale), as reshape_and_cache_flash).
+//
+// Used by:   cupaged/rope.py (RotaryEmbedding, rope_and_cache), cupaged/selftest.py; reference: cupaged/reference/rope.py
+// Test:      pytest tests/test_rope.py (sim; cuda too when a GPU is present); as every family,
+//            test_compile_gate.py and test_sim_params.py
+// Benchmark: python profiling/bench_rope.py
+#include "common.cuh"
+
+namespace cupaged {
+
+constexpr int ROPE_THREADS = 128;  // per CTA (the launcher reads it from here)
+
+struct RopeParams {
+  long long q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride;
+  long long block_stride, page_stride, head_stride;  // the caches' (rope_and_cache_kernel)
+  float k_scale_value, v_scale_value;
+  int scale_per_head, num_heads, num_kv_heads, head_size, rotary_dim, neox, block_size;
+};
+
+// cos and sin of pair i at position pos: the cache's row, or sincos in float64 of pos * inv_freq[i].
+__device__ __forceinline__ float2 rope_cos_sin(const float* cos_sin_cache, const double* inv_freq, long long pos,
+                                               int i, int rotary_dim) {
+  if (cos_sin_cache) {
+    const float* row = cos_sin_cache + pos * rotary_dim;
+    return make_float2(row[i], row[rotary_dim / 2 + i]);
+  }
+  double s, c;
+  sincos(double(pos) * inv_freq[i], &s, &c);
+  return make_float2(float(c), float(s));
+}
+
+// Rotate pair i of one head x in place (elements a and b of the head).
+template <class T>
+__device__ __forceinline__ void rope_pair(T* x, int i, float2 cs, const RopeParams& p) {
+  const int a = p.neox ? i : 2 * i, b = p.neox ? i + p.rotary_dim / 2 : 2 * i + 1;
+  const float x1 = to_float(x[a]), x2 = to_float(x[b]);
+  x[a] = from_float<T>(x1 * cs.x - x2 * cs.y);
+  x[b] = from_float<T>(x2 * cs.x + x1 * cs.y);
+}
+
+// Rotate every head of q (heads 0 .. num_heads - 1) and of k (the next num_kv_heads) of this CTA's token.
+template <class T>
+__device__ __forceinline__ void rope_token(T* q, T* k, long long token, long long pos, const float* cos_sin_cache,
+                                           const double* inv_freq, const RopeParams& p) {
+  const int half = p.rotary_dim / 2;
+  for (int n = threadIdx.x; n < (p.num_heads + p.num_kv_heads) * half; n += blockDim.x) {
+    const int h = n / half, i = n - h * half;
+    T* x = h < p.num_heads ? q + token * p.q_token_stride + h * p.q_head_stride
+                           : k + token * p.k_token_stride + (h - p.num_heads) * p.k_head_stride;
+    rope_pair(x, i, rope_cos_sin(cos_sin_cache, inv_freq, pos, i, p.rotary_dim), p);
+  }
+}
+
+template <class T, class PosT>
+__global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(
+    const PosT* __restrict__ positions,      // [num_tokens]
+    T* __restrict__ q,                       // [num_tokens, num_heads, head_size], rotated in place
+    T* __restrict__ k,                       // [num_tokens, num_kv_heads, head_size], rotated in place
+    const float* __restrict__ cos_sin_cache, // [max_position, rotary_dim], or nullptr: inv_freq
+    const double* __restrict__ inv_freq,     // [rotary_dim / 2]
+    RopeParams p) {
+  const long long token = blockIdx.x;
+  rope_token<T>(q, k, token, static_cast<long long>(positions[token]), cos_sin_cache, inv_freq, p);
+}
+
+template <class T, int KV, class PosT, class SlotT>
+__global__ void __launch_bounds__(ROPE_THREADS) rope_and_cache_kernel(
+    const PosT* __restrict__ positions,      // [num_tokens]
+    T* __restrict__ q,                       // [num_tokens, num_heads, head_size], rotated in place
+    T* __restrict__ k,                       // [num_tokens, num_kv_heads, head_size], rotated in place
+    const T* __restrict__ v,                 // [num_tokens, num_kv_heads, head_size]
+    const float* __restrict__ cos_sin_cache, // [max_position, rotary_dim]
+    typename CacheType<KV, T>::type* __restrict__ key_cache,    // NHD or HND, see p's strides
+    typename CacheType<KV, T>::type* __restrict__ value_cache,  // same shape and strides as key_cache
+    const SlotT* __restrict__ slot_mapping,  // [num_tokens]; < 0 = padding (rotated, not written)
+    const float* __restrict__ k_scale,       // [1] or [num_kv_heads], or nullptr: p.k_scale_value
+    const float* __restrict__ v_scale,
+    RopeParams p) {
+  const long long token = blockIdx.x;
+  rope_token<T>(q, k, token, static_cast<long long>(positions[token]), cos_sin_cache, nullptr, p);
+  const long long slot = static_cast<long long>(slot_mapping[token]);
+  if (slot < 0) return;
+  __syncthreads();  // the rotated k is written back: every thread reads whole k rows below
+  const long long base = slot / p.block_size * p.block_stride + slot % p.block_size * p.page_stride;
+  for (int n = threadIdx.x; n < p.num_kv_heads * p.head_size; n += blockDim.x) {
+    const int h = n / p.head_size, d = n - h * p.head_size;
+    const long long dst = base + h * p.head_stride + d;
+    key_cache[dst] = quantize<KV>(k[token * p.k_token_stride + h * p.k_head_stride + d],
+                                  read_scale(k_scale, p.k_scale_value, p.scale_per_head, h));
+    value_cache[dst] = quantize<KV>(v[token * p.v_token_stride + h * p.v_head_stride + d],
+                                    read_scale(v_scale, p.v_scale_value, p.scale_per_head, h));
+  }
+}
+
+}  // namespace cupaged
