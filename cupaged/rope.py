@@ -12,7 +12,7 @@ import numpy as np
 from cupaged._annotate import op_launch
 from cupaged._backend import array_module, host_copy, module_of, struct_arg, upload
 from cupaged._cache_args import KV_CODE, KV_KINDS, SLOT_DTYPES, check_slot_mapping, kv_dtype_name
-from cupaged._checks import (CTYPE, FLOAT_DTYPES, check_bool, check_dtype, check_float, check_int,
+from cupaged._checks import (CTYPE, FLOAT_DTYPES, address, check_bool, check_dtype, check_float, check_int,
                              check_last_contiguous, check_ndim, check_writable, element_strides, validate_enabled)
 from cupaged._cost import Cost
 from cupaged._interop import accepts_foreign_arrays
@@ -26,18 +26,24 @@ _POS = ("int", "long long")  # positions: int32 or int64
 _TYPES = [CTYPE[d] for d in FLOAT_DTYPES]
 
 
-def _rope(t, pos):
-    return f"cupaged::rope_kernel<{t}, {pos}>"
+def _rope(t, pos, vec):
+    return f"cupaged::rope_kernel<{t}, {pos}, {'true' if vec else 'false'}>"
 
 
-def _fused(t, kv, pos, slot):
-    return f"cupaged::rope_and_cache_kernel<{t}, {kv}, {pos}, {slot}>"
+def _fused(t, kv, pos, slot, vec):
+    return f"cupaged::rope_and_cache_kernel<{t}, {kv}, {pos}, {slot}, {'true' if vec else 'false'}>"
 
 
 FAMILY = KernelFamily("rope", [
-    *(_rope(t, p) for t in _TYPES for p in _POS),
-    *(_fused(t, kv, p, s) for t in _TYPES for kv in KV_KINDS for p in _POS for s in _POS),
+    *(_rope(t, p, v) for t in _TYPES for p in _POS for v in (False, True)),
+    *(_fused(t, kv, p, s, v) for t in _TYPES for kv in KV_KINDS for p in _POS for s in _POS for v in (False, True)),
 ])
+
+
+def _vec(arrays, strides, itemsize, *sizes) -> bool:
+    """16-byte accesses: every array 16-byte aligned, every stride and size a multiple of 16 / itemsize elements."""
+    n = 16 // itemsize
+    return all(address(a) % 16 == 0 for a in arrays) and all(x % n == 0 for x in (*strides, *sizes))
 
 
 @functools.cache
@@ -47,6 +53,13 @@ def _params_dtype() -> np.dtype:
 
 def _threads() -> int:
     return constants(FAMILY.source, "ROPE_THREADS")["ROPE_THREADS"]
+
+
+def _check_rotary_dim(rotary_dim: int) -> None:
+    """The kernels hold a token's cos / sin row in shared memory: ROPE_MAX_DIM values at most."""
+    limit = constants(FAMILY.source, "ROPE_MAX_DIM")["ROPE_MAX_DIM"]
+    if rotary_dim > limit:
+        raise NotImplementedError(f"rotary_dim={rotary_dim}: at most {limit} rotary dimensions")
 
 
 def inv_freq(rotary_dim: int, rope_theta: float, scaling: dict | None) -> np.ndarray:
@@ -93,6 +106,7 @@ class RotaryEmbedding:
         self.rotary_dim = head_dim if rotary_dim is None else check_int("rotary_dim", rotary_dim, 2, head_dim)
         if self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
+        _check_rotary_dim(self.rotary_dim)
         self.rope_theta = check_float("rope_theta", rope_theta, positive=True)
         self.is_neox_style = check_bool("is_neox_style", is_neox_style)
         self.scaling = _check_scaling(scaling)
@@ -120,7 +134,9 @@ class RotaryEmbedding:
         if freq is None:
             freq = self._device_freq[key] = _to_xp(xp, self.inv_freq)
         p = _params(q, k, None, self.rotary_dim, self.is_neox_style)
-        kernel = FAMILY.function(_rope(CTYPE[q.dtype], CTYPE[positions.dtype]), xp)
+        vec = _vec((q, k), (*element_strides("q", q)[:2], *element_strides("k", k)[:2]), q.itemsize,
+                   self.rotary_dim // 2)
+        kernel = FAMILY.function(_rope(CTYPE[q.dtype], CTYPE[positions.dtype], vec), xp)
         with op_launch(xp, "rope", lambda: f"t={q.shape[0]} h={q.shape[1]}/{k.shape[1]} d={self.head_dim} "
                        f"rot={self.rotary_dim}", lambda: _rope_cost(q, k, positions)):
             kernel((q.shape[0],), (_threads(),), (positions, q, k, None, freq, struct_arg(p, xp)))
@@ -189,6 +205,7 @@ def rope_and_cache(q, k, v, positions, cos_sin_cache, key_cache, value_cache, sl
     if rotary_dim % 2 or not 2 <= rotary_dim <= k.shape[2] or cos_sin_cache.shape[0] == 0:
         raise ValueError(f"cos_sin_cache must be [max_position >= 1, rotary_dim] with rotary_dim even and at most "
                          f"head_size={k.shape[2]}, got shape {tuple(cos_sin_cache.shape)}")
+    _check_rotary_dim(rotary_dim)
     if cos_sin_cache.size > 1 and cos_sin_cache.strides != (rotary_dim * 4, 4):
         raise ValueError(f"cos_sin_cache must be C-contiguous, got strides {tuple(cos_sin_cache.strides)}")
     if validate_enabled(validate):  # check_flash_write checked the slots and scales
@@ -201,8 +218,11 @@ def rope_and_cache(q, k, v, positions, cos_sin_cache, key_cache, value_cache, sl
         return q, k
     k_ptr, v_ptr, ksv, vsv, per_head = scales
     p = _params(q, k, v, rotary_dim, neox, cache_strides, (float(ksv), float(vsv), int(per_head)), block_size)
+    vec = _vec((q, k, v, key_cache, value_cache), (*element_strides("q", q)[:2], *element_strides("k", k)[:2],
+                                                   *element_strides("v", v)[:2], *cache_strides),
+               q.itemsize, rotary_dim // 2, k.shape[2])
     kernel = FAMILY.function(_fused(ctype, KV_CODE[kv_cache_dtype], CTYPE[positions.dtype],
-                                    CTYPE[slot_mapping.dtype]), module_of(q))
+                                    CTYPE[slot_mapping.dtype], vec), module_of(q))
     with op_launch(xp, "rope_and_cache", lambda: f"t={q.shape[0]} h={q.shape[1]}/{k.shape[1]} d={k.shape[2]} "
                    f"rot={rotary_dim} {layout} {kv_dtype_name(kv_cache_dtype, k.dtype)}",
                    lambda: _fused_cost(q, k, positions, slot_mapping, key_cache.itemsize)):

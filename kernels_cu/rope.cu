@@ -18,7 +18,13 @@
 //
 // Versions (memory-bound: every q / k / v byte read once and written once):
 //   v1 rope_kernel / rope_and_cache_kernel: one CTA per token, a thread per (head, pair), then per k / v element
-//      of the cache write (fp8: saturate(x / scale), as reshape_and_cache_flash).
+//      of the cache write (fp8: saturate(x / scale), as reshape_and_cache_flash). H200 model (bench_rope.py
+//      --model, 16k tokens, 32/8 heads, d128): fp16 176.8 us (51.4% of HBM peak), fp8 169.8 us (latency-bound:
+//      2-byte accesses keep too few bytes in flight).
+//   v2: the token's cos / sin row read (or computed) once into shared memory for all its heads (v1 read it again
+//      for every head: 335 of the 839 MB requested); VEC (16-byte aligned rows, rotary_dim / 2 and head_size
+//      multiples of 16 / sizeof(T)): a thread takes 16 bytes of each of a unit's two runs of pairs, and 16-byte
+//      chunks of the cache write (quantize_chunk).
 //
 // Used by:   cupaged/rope.py (RotaryEmbedding, rope_and_cache), cupaged/selftest.py; reference: cupaged/reference/rope.py
 // Test:      pytest tests/test_rope.py (sim; cuda too when a GPU is present); as every family,
@@ -29,6 +35,7 @@
 namespace cupaged {
 
 constexpr int ROPE_THREADS = 128;  // per CTA (the launcher reads it from here)
+constexpr int ROPE_MAX_DIM = 512;  // the largest rotary_dim (a token's cos / sin row lives in shared memory)
 
 struct RopeParams {
   long long q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride;
@@ -49,29 +56,65 @@ __device__ __forceinline__ float2 rope_cos_sin(const float* cos_sin_cache, const
   return make_float2(float(c), float(s));
 }
 
-// Rotate pair i of one head x in place (elements a and b of the head).
-template <class T>
-__device__ __forceinline__ void rope_pair(T* x, int i, float2 cs, const RopeParams& p) {
-  const int a = p.neox ? i : 2 * i, b = p.neox ? i + p.rotary_dim / 2 : 2 * i + 1;
-  const float x1 = to_float(x[a]), x2 = to_float(x[b]);
-  x[a] = from_float<T>(x1 * cs.x - x2 * cs.y);
-  x[b] = from_float<T>(x2 * cs.x + x1 * cs.y);
+// Rotate N pairs of one head x in place, pairs i0 .. i0 + N - 1 (N = 16 / sizeof(T) with VEC: each run of N
+// elements one 16-byte load and store; 1 without). NeoX: x1 = x[i0 ..], x2 = x[half + i0 ..]; GPT-J: x[2 i0 ..] holds
+// the N pairs interleaved.
+template <class T, bool VEC>
+__device__ __forceinline__ void rope_pairs(T* x, int i0, const float* cs, const RopeParams& p) {
+  constexpr int N = VEC ? 16 / int(sizeof(T)) : 1;
+  const int half = p.rotary_dim / 2;
+  T* lo = p.neox ? x + i0 : x + 2 * i0;
+  T* hi = p.neox ? x + half + i0 : x + 2 * i0 + N;
+  Vec<T, N> a = load_vec<T, N>(lo), b = load_vec<T, N>(hi);
+  float c[N], sn[N];  // cos and sin of the N pairs, from the token's row in shared memory
+  if constexpr (VEC) {
+#pragma unroll
+    for (int e = 0; e < N; e += 4) {
+      const Vec<float, 4> x = load_vec<float, 4>(cs + i0 + e), y = load_vec<float, 4>(cs + half + i0 + e);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) { c[e + j] = x.v[j]; sn[e + j] = y.v[j]; }
+    }
+  } else {
+    c[0] = cs[i0];
+    sn[0] = cs[half + i0];
+  }
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    // element e of pair i0 + e: NeoX (a[e], b[e]); GPT-J (a or b)[2e mod N], the next one
+    T& x1 = p.neox ? a.v[e] : (2 * e < N ? a.v[2 * e] : b.v[2 * e - N]);
+    T& x2 = p.neox ? b.v[e] : (2 * e + 1 < N ? a.v[2 * e + 1] : b.v[2 * e + 1 - N]);
+    const float f1 = to_float(x1), f2 = to_float(x2);
+    x1 = from_float<T>(f1 * c[e] - f2 * sn[e]);
+    x2 = from_float<T>(f2 * c[e] + f1 * sn[e]);
+  }
+  store_vec<T, N>(lo, a);
+  store_vec<T, N>(hi, b);
 }
 
-// Rotate every head of q (heads 0 .. num_heads - 1) and of k (the next num_kv_heads) of this CTA's token.
-template <class T>
+// Rotate every head of q (heads 0 .. num_heads - 1) and of k (the next num_kv_heads) of this CTA's token, the
+// token's cos / sin row computed or read once into shared memory for all its heads.
+template <class T, bool VEC>
 __device__ __forceinline__ void rope_token(T* q, T* k, long long token, long long pos, const float* cos_sin_cache,
                                            const double* inv_freq, const RopeParams& p) {
+  constexpr int N = VEC ? 16 / int(sizeof(T)) : 1;
+  __shared__ __align__(16) float cs[ROPE_MAX_DIM];  // the cosines, then the sines
   const int half = p.rotary_dim / 2;
-  for (int n = threadIdx.x; n < (p.num_heads + p.num_kv_heads) * half; n += blockDim.x) {
-    const int h = n / half, i = n - h * half;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    const float2 v = rope_cos_sin(cos_sin_cache, inv_freq, pos, i, p.rotary_dim);
+    cs[i] = v.x;
+    cs[half + i] = v.y;
+  }
+  __syncthreads();
+  const int units = half / N;  // a head's units of N pairs
+  for (int n = threadIdx.x; n < (p.num_heads + p.num_kv_heads) * units; n += blockDim.x) {
+    const int h = n / units, i0 = (n - h * units) * N;
     T* x = h < p.num_heads ? q + token * p.q_token_stride + h * p.q_head_stride
                            : k + token * p.k_token_stride + (h - p.num_heads) * p.k_head_stride;
-    rope_pair(x, i, rope_cos_sin(cos_sin_cache, inv_freq, pos, i, p.rotary_dim), p);
+    rope_pairs<T, VEC>(x, i0, cs, p);
   }
 }
 
-template <class T, class PosT>
+template <class T, class PosT, bool VEC>
 __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(
     const PosT* __restrict__ positions,      // [num_tokens]
     T* __restrict__ q,                       // [num_tokens, num_heads, head_size], rotated in place
@@ -80,10 +123,10 @@ __global__ void __launch_bounds__(ROPE_THREADS) rope_kernel(
     const double* __restrict__ inv_freq,     // [rotary_dim / 2]
     RopeParams p) {
   const long long token = blockIdx.x;
-  rope_token<T>(q, k, token, static_cast<long long>(positions[token]), cos_sin_cache, inv_freq, p);
+  rope_token<T, VEC>(q, k, token, static_cast<long long>(positions[token]), cos_sin_cache, inv_freq, p);
 }
 
-template <class T, int KV, class PosT, class SlotT>
+template <class T, int KV, class PosT, class SlotT, bool VEC>
 __global__ void __launch_bounds__(ROPE_THREADS) rope_and_cache_kernel(
     const PosT* __restrict__ positions,      // [num_tokens]
     T* __restrict__ q,                       // [num_tokens, num_heads, head_size], rotated in place
@@ -96,19 +139,21 @@ __global__ void __launch_bounds__(ROPE_THREADS) rope_and_cache_kernel(
     const float* __restrict__ k_scale,       // [1] or [num_kv_heads], or nullptr: p.k_scale_value
     const float* __restrict__ v_scale,
     RopeParams p) {
+  constexpr int N = VEC ? 16 / int(sizeof(T)) : 1;
   const long long token = blockIdx.x;
-  rope_token<T>(q, k, token, static_cast<long long>(positions[token]), cos_sin_cache, nullptr, p);
+  rope_token<T, VEC>(q, k, token, static_cast<long long>(positions[token]), cos_sin_cache, nullptr, p);
   const long long slot = static_cast<long long>(slot_mapping[token]);
   if (slot < 0) return;
   __syncthreads();  // the rotated k is written back: every thread reads whole k rows below
   const long long base = slot / p.block_size * p.block_stride + slot % p.block_size * p.page_stride;
-  for (int n = threadIdx.x; n < p.num_kv_heads * p.head_size; n += blockDim.x) {
-    const int h = n / p.head_size, d = n - h * p.head_size;
+  const int units = p.head_size / N;  // a head's chunks of N elements
+  for (int n = threadIdx.x; n < p.num_kv_heads * units; n += blockDim.x) {
+    const int h = n / units, d = (n - h * units) * N;
     const long long dst = base + h * p.head_stride + d;
-    key_cache[dst] = quantize<KV>(k[token * p.k_token_stride + h * p.k_head_stride + d],
-                                  read_scale(k_scale, p.k_scale_value, p.scale_per_head, h));
-    value_cache[dst] = quantize<KV>(v[token * p.v_token_stride + h * p.v_head_stride + d],
-                                    read_scale(v_scale, p.v_scale_value, p.scale_per_head, h));
+    quantize_chunk<KV, N, VEC>(key_cache + dst, k + token * p.k_token_stride + h * p.k_head_stride + d,
+                               read_scale(k_scale, p.k_scale_value, p.scale_per_head, h));
+    quantize_chunk<KV, N, VEC>(value_cache + dst, v + token * p.v_token_stride + h * p.v_head_stride + d,
+                               read_scale(v_scale, p.v_scale_value, p.scale_per_head, h));
   }
 }
 

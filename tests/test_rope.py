@@ -25,6 +25,8 @@ STYLES = {  # (head size, rotary dim, neox, scaling, theta)
     "partial-neox": (128, 64, True, None, 1e6),
     "partial-gptj": (80, 32, False, None, 10000.0),
     "llama3": (128, None, True, LLAMA3, 500000.0),
+    "odd-neox": (72, 36, True, None, 10000.0),   # 18 pairs: not a multiple of 8, the kernels' element-wise path
+    "odd-gptj": (40, 20, False, None, 10000.0),
 }
 
 
@@ -79,6 +81,8 @@ CASES = [  # (dtype, kv_cache_dtype, layout, style, tokens, per-head scales, slo
     (F16, "fp8", "HND", "llama3", 33, True, np.int64),
     (BF16, "fp8_e5m2", "NHD", "partial-neox", 97, False, np.int32),
     (F16, "fp8_e4m3", "NHD", "gptj", 7, True, np.int32),
+    (BF16, "auto", "HND", "odd-neox", 33, False, np.int64),
+    (F32, "fp8_e5m2", "NHD", "odd-gptj", 7, True, np.int64),
 ]
 
 
@@ -161,6 +165,7 @@ def test_bad_input_raises_before_any_write(backend, case):
     (dict(head_dim=64, rotary_dim=33), ValueError, "rotary_dim"),
     (dict(head_dim=64, rotary_dim=128), ValueError, "rotary_dim"),
     (dict(head_dim=64, rope_theta=0.0), ValueError, "rope_theta"),
+    (dict(head_dim=1024), NotImplementedError, "rotary_dim"),
     (dict(head_dim=64, scaling={"rope_type": "yarn", "factor": 4.0}), NotImplementedError, "yarn"),
     (dict(head_dim=64, scaling={"rope_type": "llama3", "factor": 8.0}), ValueError, "low_freq_factor"),
 ])
