@@ -103,9 +103,9 @@ def prefill_smem_bytes(cache_itemsize: int, hd: int, vhd: int) -> int:
 
 
 def prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, rows):
-    """(kernel, shared bytes, rows a CTA) of the tensor-core prefill kernel for the long query runs, or None (they stay on
-    paged_attention_kernel): 16-bit q over K/V rows that are contiguous and 16-byte aligned (``rows``: flash NHD /
-    HND caches, dense varlen rows), head sizes up to 256 in the smallest bucket that holds them."""
+    """(kernel, shared bytes, rows a CTA) of the tensor-core prefill kernel for the long query runs, or None (float32
+    and vLLM's layout, which a decode kernel takes whole): 16-bit q over K/V rows (``rows``: flash NHD / HND caches,
+    dense varlen rows), head sizes up to 256 in the smallest bucket that holds them."""
     if kind == "mla" or q_dtype.itemsize != 2 or not rows:
         return None
     hd, vhd = next(b for b in PREFILL_BUCKETS if b[0] >= head_size and b[1] >= v_head_size
@@ -150,7 +150,6 @@ def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsi
         # every run: a CTA takes one query of the run at a time (tiles: head tiles x min(max_q, PD_MAX_Q) queries)
         return (mla_kernel(t, kv, mt), ALL_ROWS, -(-num_heads // (16 * mt)) * min(max_q, c["PD_MAX_Q"]), 128 * mt,
                 mla_smem_bytes(cache_itemsize, mt))
-    c = kernel_constants()
     vt = layout == "vllm"
     # A short run (<= PD_MAX_Q) takes a decode kernel; one that knows every run is short, float32 q (the CUDA-core
     # path: the prefill kernel is 16-bit) and vLLM's values (decode's layout) take every run, an understated hint

@@ -186,12 +186,12 @@ def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
     got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
-    if plan.kernel is not None and "prefill" in plan.kernel and not kv.prefill_rows:
-        raise ValueError("run_attention: the plan's prefill kernel reads K/V rows (contiguous, 16-byte aligned); "
-                         "this kv's are not: plan with this kv")
+    if plan.kernel is not None and not kv.prefill_rows:
+        raise ValueError("run_attention: the plan's prefill kernel reads K and V rows; this kv's values are not rows "
+                         "(vLLM's layout): plan with this kv")
     if plan.decode_kernel is not None and kv.decode_layout != plan.decode_layout:
-        raise ValueError(f"run_attention: the plan's decode kernel reads K/V laid out as {plan.decode_layout!r} "
-                         f"(contiguous, 16-byte aligned runs); this kv's are {kv.decode_layout!r}: plan with this kv")
+        raise ValueError(f"run_attention: the plan's decode kernel reads K/V laid out as {plan.decode_layout!r}; "
+                         f"this kv's are {kv.decode_layout!r}: plan with this kv")
 
 
 @accepts_foreign_arrays
@@ -221,12 +221,12 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
         partials = tuple(empty(xp, s, np.float32) for s in plan.partial_shapes)
     max_logits, exp_sums, tmp_output = partials or (None, None, None)
     qs, os_ = element_strides("q", q), element_strides("out", out)
+    window = window_bounds(causal, sliding_window, window_size)
     fields = dict(
         q_token_stride=qs[0], q_head_stride=qs[1], out_token_stride=os_[0], out_head_stride=os_[1],
         table_stride=0 if block_tables is None else element_strides("block_tables", block_tables)[0],
         scale=scale, softcap=softcap or 0.0, k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head,
-        window_left=window_bounds(causal, sliding_window, window_size)[0],
-        window_right=window_bounds(causal, sliding_window, window_size)[1], always_partials=int(plan.always_partials),
+        window_left=window[0], window_right=window[1], always_partials=int(plan.always_partials),
         partials_in_out_type=int(tmp_output is not None and tmp_output.dtype != np.float32),
         num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
         head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
@@ -247,9 +247,7 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
         return attention_cost(lens, q_lens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
                               head_size=plan.head_size, v_head_size=plan.v_head_size, kv_itemsize=kv.key.itemsize,
                               q_itemsize=q.itemsize, out_itemsize=out.itemsize,
-                              block_size=None if dense else kv.block_size,
-                              window=window_bounds(causal, sliding_window, window_size),
-                              lse=lse is not None, shared_kv=kv.kind == "mla",
+                              block_size=None if dense else kv.block_size, window=window, lse=lse is not None, shared_kv=kv.kind == "mla",
                               query_start_loc=query_start_loc is not None)
 
     args = (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, seqused_k, sinks, alibi_slopes, k_ptr, v_ptr,

@@ -67,6 +67,6 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                           max_seq_len=max_seq_len, kv_split_size=kv_split_size)
     partials = carve_workspace(workspace, plan)
     run_attention(plan, q, kv, out, lse, block_tables, seq_lens, query_start_loc, scale=scale, causal=causal,
-                  sliding_window=window, window_size=window_size, sinks=sinks, alibi_slopes=alibi, softcap=softcap, k_scale=k_scale,
-                  v_scale=v_scale, partials=partials)
+                  sliding_window=window, window_size=window_size, sinks=sinks, alibi_slopes=alibi, softcap=softcap,
+                  k_scale=k_scale, v_scale=v_scale, partials=partials)
     return (out, lse) if return_lse else out

@@ -246,6 +246,15 @@ __device__ __forceinline__ void pd_copy16(void* dst, const void* src, int bytes)
                "l"(src), "r"(bytes) : "memory");
 }
 
+// X elements into shared memory at dst without cp.async (any alignment): element e from *src(e) for e < n, zero
+// after; plain stores, which the pipeline's barrier publishes as it does the copies.
+template <class CacheT, int X, class Src>
+__device__ __forceinline__ void pd_copy_elems(unsigned char* dst, int n, Src&& src) {
+  CacheT* d = reinterpret_cast<CacheT*>(dst);
+#pragma unroll 1
+  for (int e = 0; e < X; ++e) d[e] = e < n ? *src(e) : CacheT();
+}
+
 // A decode kernel's K or V scale for kv head `kv_head`: 1 for a cache of q's own type (scales ignored).
 template <int KV>
 __device__ __forceinline__ float pd_scale(const float* ptr, float value, int kv_head, const PaParams& p) {
@@ -309,10 +318,8 @@ __device__ __forceinline__ void pd_issue(unsigned char* stage, const CacheT* key
     unsigned char* dst = stage + (vt ? S::vt_at(j / X, c) : is_v ? S::v_at(j, c) : S::k_at(j, c));
     if (is_v ? p.vec_v : p.vec_k) {  // one cp.async: 16-byte aligned rows, V^T runs of X keys within a block
       pd_copy16(dst, n ? at(is_v, j, vt ? c : c * X) : key_cache, n * int(sizeof(CacheT)));
-    } else {  // element by element (a view at an odd offset, fp8 rows of 72 bytes, V^T runs across blocks):
-      CacheT* d = reinterpret_cast<CacheT*>(dst);  // plain stores, published by the pipeline's barrier as the copies
-#pragma unroll 1
-      for (int e = 0; e < X; ++e) d[e] = e < n ? *(vt ? at(true, j + e, c) : at(is_v, j, c * X + e)) : CacheT();
+    } else {  // element by element: a view at an odd offset, fp8 rows of 72 bytes, V^T runs across blocks
+      pd_copy_elems<CacheT, X>(dst, n, [&](int e) { return vt ? at(true, j + e, c) : at(is_v, j, c * X + e); });
     }
   };
   if constexpr (S::UNROLL > 0) {  // the copies' addresses live at once while q and o are: a register budget
@@ -1248,10 +1255,8 @@ __device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_
     }
     if (p.vec_k) {
       pd_copy16(stage + j * ROW + c * 16, bytes ? src : kv_cache, bytes);
-    } else {  // rows not 16-byte aligned: element by element (pd_issue's fallback)
-      CacheT* d = reinterpret_cast<CacheT*>(stage + j * ROW + c * 16);
-#pragma unroll 1
-      for (int e = 0; e < X; ++e) d[e] = e * int(sizeof(CacheT)) < bytes ? src[e] : CacheT();
+    } else {  // rows not 16-byte aligned: element by element
+      pd_copy_elems<CacheT, X>(stage + j * ROW + c * 16, bytes / int(sizeof(CacheT)), [&](int e) { return src + e; });
     }
   }
 }
