@@ -46,8 +46,10 @@ class BatchPlan:
     ``query_start_loc`` int32 [S+1], ``seq_lens`` int32 [S] (context including the new tokens),
     ``block_tables`` int32 [S, max_blocks] (0-padded), ``slot_mapping`` int64 [T] (-1 for
     positions served by the prefix cache), ``positions`` int64 [T]; ``max_seq_len`` and
-    ``max_query_len`` are the host-side launch hints of docs/conventions.md §6. The arrays belong to the
-    caller: no later pool call changes them.
+    ``max_query_len`` are the host-side launch hints of docs/conventions.md §6; ``seq_ids`` the
+    sequences' ids in batch order (a tuple from ``plan``, the id array from ``plan_decode``; None
+    for a plan made by hand), which per-request state such as cross attention's context keys and
+    values is found by. The arrays belong to the caller: no later pool call changes them.
     """
 
     query_start_loc: object
@@ -57,6 +59,7 @@ class BatchPlan:
     positions: object
     max_seq_len: int
     max_query_len: int
+    seq_ids: object = None
     _staging: PinnedStaging | None = dataclasses.field(default=None, repr=False)  # the pool's
 
     @property

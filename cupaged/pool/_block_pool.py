@@ -77,6 +77,16 @@ class BlockPool:
         length - 1, so the last prompt token is always computed): the caller skips them."""
         return int(self._seqs.cached[self._seqs.row(seq_id)])
 
+    def cached_prefix_len(self, token_ids) -> int:
+        """How many leading tokens of a new sequence starting with ``token_ids`` the prefix cache
+        holds now (full blocks, leaving the last token to compute): what ``num_cached_tokens``
+        would say after a first append of ``token_ids``. Changes nothing; a scheduler sizes a
+        prefill chunk by it, as vLLM's scheduler counts computed blocks before budgeting."""
+        ids = _append.token_id_array("token_ids", token_ids)
+        if not self._seqs.prefix_caching:
+            return 0
+        return len(self._seqs.prefix_hits(ids, self._alloc)[0]) * self.block_size
+
     def take_pending_copies(self) -> np.ndarray:
         """int64 [n, 2] (src, dst) block copies owed to copy-on-write since the last call. Run
         them (``cupaged.copy_blocks``) before this step writes the cache: a copy carries the
@@ -104,7 +114,7 @@ class BlockPool:
         s = self._seqs
         width = s.max_blocks if s.max_blocks is not None else int(s.nblocks[rows].max(initial=0))
         return self._plan(q_lens, s.lens[rows], np.take(s.tables[:, :width], rows, axis=0),
-                          slot_mapping, positions)
+                          slot_mapping, positions, tuple(r.seq_id for r in requests))
 
     def plan_decode(self, seq_ids, token_ids=None) -> BatchPlan:
         """``plan`` for a decode step, vectorized: one new token for each of ``seq_ids`` (1-D,
@@ -119,7 +129,8 @@ class BlockPool:
         return BatchPlan(query_start_loc=np.arange(batch.rows.size + 1, dtype=np.int32),
                          seq_lens=batch.lens.astype(np.int32), block_tables=batch.tables.copy(),
                          slot_mapping=slot_mapping, positions=positions, max_seq_len=batch.max_len,
-                         max_query_len=int(batch.rows.size > 0), _staging=self._staging)
+                         max_query_len=int(batch.rows.size > 0), seq_ids=batch.ids.copy(),
+                         _staging=self._staging)
 
     # -- sharing and freeing ----------------------------------------------------------------
 
@@ -161,10 +172,10 @@ class BlockPool:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _plan(self, q_lens, seq_lens, block_tables, slot_mapping, positions) -> BatchPlan:
+    def _plan(self, q_lens, seq_lens, block_tables, slot_mapping, positions, seq_ids) -> BatchPlan:
         query_start_loc = np.zeros(q_lens.size + 1, np.int32)
         np.cumsum(q_lens, out=query_start_loc[1:])
         return BatchPlan(query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
                          block_tables=block_tables, slot_mapping=slot_mapping, positions=positions,
                          max_seq_len=int(seq_lens.max(initial=0)), max_query_len=int(q_lens.max(initial=0)),
-                         _staging=self._staging)
+                         seq_ids=seq_ids, _staging=self._staging)

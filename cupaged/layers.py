@@ -1,0 +1,256 @@
+"""The consumer: a framework-free attention layer over the paged cache, as an engine author writes it on cupaged.
+
+``Attention`` is an autoregressive model's GQA attention layer (fused or separate QKV projections, QK RMSNorm,
+rotary embeddings, self / full / cross attention, output projection), but over a paged KV cache and varlen
+batches: ``forward(x, plan, kv_cache, layer)`` takes ``x`` ``[num_tokens, dim]`` for a step mixing prefill chunks
+and decode tokens, described by a :class:`cupaged.BatchPlan` from :meth:`cupaged.BlockPool.plan`. Per step and
+layer: the projections (``xp.matmul``: cuBLAS on a GPU), QK-norm, then
+
+- ``"self"``: ``rope_and_cache`` (RoPE and the cache write in one launch; ``reshape_and_cache_flash`` without
+  RoPE) and causal paged attention (``plan_attention`` / ``run_attention``, memoized on the batch's shape);
+- ``"full"``: RoPE and one non-causal ``varlen_attention`` over whole sequences (no cache, no decode);
+- ``"cross"``: no RoPE; each request's context keys and values are computed once, on the step that brings its
+  context, kept dense in a :class:`ContextCache`, and read by a non-causal ``varlen_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cupaged._backend import array_module, module_of
+from cupaged._checks import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int
+from cupaged.attention import KvView, plan_attention, run_attention
+from cupaged.cache_ops import reshape_and_cache_flash
+from cupaged.kv_cache import KVCache
+from cupaged.layer_ops import ContextCache, device_plan, linear, rms_norm, rope_cache
+from cupaged.rope import RotaryEmbedding, rope_and_cache
+from cupaged.varlen_attention import varlen_attention
+
+__all__ = ["Attention", "ContextCache"]
+
+ATTN_TYPES = ("self", "full", "cross")
+
+
+class Attention:
+    """GQA attention of ``n_heads`` query heads over ``n_kv_heads`` (None: ``n_heads``) key/value heads of
+    ``head_dim`` (None: ``dim // n_heads``) on inputs of ``dim``; cross attention reads a context of
+    ``context_dim`` (None: ``dim``). ``fuse_qkv``: one ``wqkv`` ``[(n_heads + 2 n_kv_heads) head_dim, dim]``
+    (separate weights are concatenated on load). ``use_qk_normalization``: RMSNorm over head_dim (``norm_eps``,
+    learnable ``q_norm`` / ``k_norm`` weights) on q and k before RoPE. ``rope``: a :class:`cupaged.RotaryEmbedding`
+    for ``"self"`` / ``"full"`` (None: no rotation); ``"cross"`` never rotates. ``dtype``: the weights', the
+    inputs' and the KV cache's dtype. ``k_scale`` / ``v_scale`` (attributes, default 1.0): an fp8 cache's scales.
+    """
+
+    def __init__(self, n_heads, n_kv_heads, dim, *, head_dim=None, context_dim=None, fuse_qkv=False,
+                 use_qk_normalization=False, norm_eps=1e-5, attn_type="self", rope=None, dtype=np.float32):
+        self.n_heads = check_int("n_heads", n_heads, 1)
+        self.n_kv_heads = self.n_heads if n_kv_heads is None else check_int("n_kv_heads", n_kv_heads, 1)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+        self.dim = check_int("dim", dim, 1)
+        self.head_dim = dim // self.n_heads if head_dim is None else check_int("head_dim", head_dim, 1)
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim: dim={dim} // n_heads={n_heads} is 0; give head_dim")
+        self.context_dim = self.dim if context_dim is None else check_int("context_dim", context_dim, 1)
+        self.fuse_qkv = check_bool("fuse_qkv", fuse_qkv)
+        self.use_qk_normalization = check_bool("use_qk_normalization", use_qk_normalization)
+        self.norm_eps = check_float("norm_eps", norm_eps, positive=True)
+        check_choice("attn_type", attn_type, ATTN_TYPES)
+        self.attn_type = attn_type
+        if rope is not None and not isinstance(rope, RotaryEmbedding):
+            raise TypeError(f"rope must be a cupaged.RotaryEmbedding or None, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != self.head_dim:
+            raise ValueError(f"rope is for head_dim={rope.head_dim}, the layer's head_dim is {self.head_dim}")
+        self.rope = None if attn_type == "cross" else rope
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
+        if self.fuse_qkv and self.context_dim != self.dim:
+            raise ValueError(f"fuse_qkv needs context_dim == dim, got context_dim={self.context_dim}, dim={dim}")
+        self.k_scale = self.v_scale = 1.0
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.weights: dict = {}
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def expected_shapes(self) -> dict:
+        """The ``load_state_dict`` keys this layer takes, with their shapes ``[out_features, in_features]``."""
+        shapes = ({"wqkv": (self.q_size + 2 * self.kv_size, self.dim)} if self.fuse_qkv else
+                  {"wq": (self.q_size, self.dim), "wk": (self.kv_size, self.context_dim),
+                   "wv": (self.kv_size, self.context_dim)})
+        shapes["wo"] = (self.dim, self.q_size)
+        if self.use_qk_normalization:
+            shapes["q_norm"] = shapes["k_norm"] = (self.head_dim,)
+        return shapes
+
+    def load_state_dict(self, state_dict) -> None:
+        """Weights ``{"wq", "wk", "wv", "wo"}`` or ``{"wqkv", "wo"}`` (matrices ``[out_features, in_features]``:
+        y = x · Wᵀ), plus ``"q_norm"`` / ``"k_norm"`` ``[head_dim]`` with QK-norm; numpy (the sim) or cupy
+        arrays, cast to the layer's dtype. Separate wq / wk / wv are fused into wqkv when ``fuse_qkv``. Every
+        key and shape is checked before anything is kept; a missing or unexpected key is a ``KeyError``."""
+        state = dict(state_dict)
+        if self.fuse_qkv and "wqkv" not in state and {"wq", "wk", "wv"} <= state.keys():
+            parts = [state.pop(k) for k in ("wq", "wk", "wv")]
+            xp = array_module(wq=parts[0], wk=parts[1], wv=parts[2])
+            for k, w, n in zip(("wq", "wk", "wv"), parts, (self.q_size, self.kv_size, self.kv_size)):
+                _check_shape(k, w, (n, self.dim))
+            state["wqkv"] = xp.concatenate(parts, axis=0)
+        want = self.expected_shapes()
+        missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
+        if missing or extra:
+            raise KeyError(f"load_state_dict: missing {missing}, unexpected {extra} (expected {sorted(want)})")
+        xp = array_module(**state)
+        for k, shape in want.items():
+            _check_shape(k, state[k], shape)
+        self.weights = {k: xp.ascontiguousarray(xp.asarray(state[k]).astype(self.dtype)) for k in want}
+
+    def state_dict(self) -> dict:
+        return dict(self.weights)
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(self, x, plan, kv_cache=None, layer=0, context=None):
+        """``x`` ``[num_tokens, dim]``, the step's tokens in ``plan``'s order (a :class:`cupaged.BatchPlan`, host
+        or device); ``kv_cache``: a :class:`cupaged.KVCache` (NHD / HND) for ``"self"``, a :class:`ContextCache`
+        (or None: nothing kept) for ``"cross"``, unused by ``"full"``; ``layer``: its layer index. ``context``
+        (cross only): ``{seq_id: [context_len, context_dim]}`` for the sequences whose context is new this step.
+        Returns ``[num_tokens, dim]``."""
+        w = self.weights
+        if not w:
+            raise RuntimeError("Attention.forward: call load_state_dict first")
+        xp = array_module(x=x, weights=w["wo"])
+        if x.ndim != 2 or x.shape[1] != self.dim:
+            raise ValueError(f"x must be [num_tokens, dim={self.dim}], got shape {tuple(x.shape)}")
+        if x.dtype != self.dtype:
+            raise TypeError(f"x must have the layer's dtype {self.dtype}, got {x.dtype}")
+        if plan is None or not hasattr(plan, "query_start_loc"):
+            raise TypeError(f"plan must be a cupaged.BatchPlan, got {type(plan).__name__}")
+        if plan.slot_mapping.shape[0] != x.shape[0]:
+            raise ValueError(f"x has {x.shape[0]} tokens, plan has {plan.slot_mapping.shape[0]}")
+        if self.attn_type == "full":
+            _whole_sequences(plan)
+        plan = device_plan(plan, xp)
+        t = x.shape[0]
+        if self.attn_type == "cross":
+            q = linear(x, w["wqkv"][:self.q_size] if self.fuse_qkv else w["wq"]).reshape(t, self.n_heads, -1)
+            k, v, cu_k, max_k = self._context_kv(plan, kv_cache, layer, context, xp)
+        else:
+            q, k, v = self._qkv(x)
+        if self.use_qk_normalization:
+            q = rms_norm(q, w["q_norm"], self.norm_eps)
+            if self.attn_type != "cross":
+                k = rms_norm(k, w["k_norm"], self.norm_eps)
+        out = xp.empty((t, self.n_heads, self.head_dim), self.dtype)
+        if t:
+            if self.attn_type == "self":
+                self._paged(q, k, v, plan, kv_cache, layer, out, xp)
+            elif self.attn_type == "full":
+                if self.rope is not None:
+                    self.rope(plan.positions, q, k)
+                varlen_attention(q, k, v, plan.query_start_loc, plan.query_start_loc, causal=False,
+                                 max_seqlen_q=plan.max_query_len, max_seqlen_k=plan.max_query_len, out=out)
+            else:
+                varlen_attention(q, k, v, plan.query_start_loc, cu_k, causal=False,
+                                 max_seqlen_q=plan.max_query_len, max_seqlen_k=max_k, out=out)
+        return linear(out.reshape(t, self.q_size), w["wo"])
+
+    __call__ = forward
+
+    def _qkv(self, x):
+        t, w = x.shape[0], self.weights
+        if self.fuse_qkv:
+            qkv = linear(x, w["wqkv"])
+            parts = (qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size],
+                     qkv[:, self.q_size + self.kv_size:])
+        else:
+            parts = (linear(x, w["wq"]), linear(x, w["wk"]), linear(x, w["wv"]))
+        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
+        return tuple(p.reshape(t, h, self.head_dim) for p, h in zip(parts, heads))
+
+    def _paged(self, q, k, v, plan, kv_cache, layer, out, xp):
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"kv_cache must be a cupaged.KVCache for attn_type='self', got {type(kv_cache).__name__}")
+        layer = check_int("layer", layer, 0, kv_cache.num_layers - 1)
+        if kv_cache.layout not in ("NHD", "HND"):
+            raise NotImplementedError(f"kv_cache.layout={kv_cache.layout!r}: the layer writes and reads flash "
+                                      f"caches ('NHD' or 'HND')")
+        if (kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.dtype) != (self.n_kv_heads, self.head_dim, self.dtype):
+            raise ValueError(f"kv_cache holds {kv_cache.num_kv_heads} kv heads of {kv_cache.head_size} in "
+                             f"{kv_cache.dtype}; the layer has {self.n_kv_heads} of {self.head_dim} in {self.dtype}")
+        key, value = kv_cache.key(layer), kv_cache.value(layer)
+        if module_of(key) is not xp:
+            raise TypeError("kv_cache lives on another backend than x (numpy arrays: the sim; cupy: the GPU)")
+        kvd, layout = kv_cache.kv_cache_dtype, kv_cache.layout
+        if self.rope is None:
+            reshape_and_cache_flash(k, v, key, value, plan.slot_mapping, kvd, self.k_scale, self.v_scale,
+                                    layout=layout)
+        else:
+            cos_sin = rope_cache(self.rope, plan.max_seq_len, xp)
+            rope_and_cache(q, k, v, plan.positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
+                           self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout)
+        kv = KvView.paged(key, value, q, kvd, layout)
+        attn = plan_attention(q, kv, plan.block_tables, plan.seq_lens, plan.query_start_loc,
+                              max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
+        run_attention(attn, q, kv, out, None, plan.block_tables, plan.seq_lens, plan.query_start_loc,
+                      scale=1.0 / math.sqrt(self.head_dim), k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def _context_kv(self, plan, store, layer, context, xp):
+        """The batch's context keys and values packed along the token axis, and their cu_seqlens: new contexts
+        projected (and k-normed) now and kept in ``store``, the others read back from it."""
+        if store is not None and not isinstance(store, ContextCache):
+            raise TypeError(f"kv_cache must be a cupaged.layers.ContextCache or None for attn_type='cross', "
+                            f"got {type(store).__name__}")
+        if plan.seq_ids is None:
+            raise ValueError("plan.seq_ids is None: cross attention finds each sequence's context by its id "
+                             "(plan with BlockPool.plan / plan_decode)")
+        context = {} if context is None else dict(context)
+        ids = list(plan.seq_ids.tolist() if hasattr(plan.seq_ids, "tolist") else plan.seq_ids)
+        for seq_id, c in context.items():
+            if seq_id not in ids:
+                raise ValueError(f"context[{seq_id!r}]: no such sequence in the plan")
+            if array_module(context=c, x=self.weights["wo"]) is not xp or c.ndim != 2 or \
+                    c.shape[1] != self.context_dim or c.dtype != self.dtype:
+                raise ValueError(f"context[{seq_id!r}] must be a [context_len, {self.context_dim}] {self.dtype} "
+                                 f"array on x's backend, got {c.dtype} {tuple(c.shape)}")
+        missing = [s for s in ids if s not in context and (store is None or (s, layer) not in store)]
+        if missing:
+            raise ValueError(f"context: sequence {missing[0]!r} brings no context and none is kept for layer {layer}")
+        fresh = {s: self._project_context(context[s]) for s in ids if s in context}
+        if store is not None:
+            for s, kv in fresh.items():
+                store.put(s, layer, *kv)
+        pairs = [fresh[s] if s in fresh else store.get(s, layer) for s in ids]
+        lens = np.array([0] + [p[0].shape[0] for p in pairs], np.int64)
+        cu_k = xp.asarray(np.cumsum(lens).astype(np.int32))
+        k = xp.concatenate([p[0] for p in pairs]) if pairs else xp.empty((0, self.n_kv_heads, self.head_dim),
+                                                                           self.dtype)
+        v = xp.concatenate([p[1] for p in pairs]) if pairs else k
+        return k, v, cu_k, int(lens.max(initial=0))
+
+    def _project_context(self, c):
+        w, n = self.weights, c.shape[0]
+        if self.fuse_qkv:
+            kv = linear(c, w["wqkv"][self.q_size:])
+            k, v = kv[:, :self.kv_size], kv[:, self.kv_size:]
+        else:
+            k, v = linear(c, w["wk"]), linear(c, w["wv"])
+        k = k.reshape(n, self.n_kv_heads, self.head_dim)
+        if self.use_qk_normalization:
+            k = rms_norm(k, w["k_norm"], self.norm_eps)
+        return module_of(k).ascontiguousarray(k), module_of(v).ascontiguousarray(v.reshape(k.shape))
+
+
+def _check_shape(name, w, shape):
+    if getattr(w, "shape", None) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {getattr(w, 'shape', type(w).__name__)}")
+
+
+def _whole_sequences(plan):
+    """"full" attention runs once over whole sequences: every sequence's new tokens are all its tokens."""
+    qsl, lens = plan.query_start_loc, plan.seq_lens
+    if isinstance(lens, np.ndarray) and not np.array_equal(np.diff(qsl), lens):
+        raise ValueError("attn_type='full' attends over whole sequences in one pass: every sequence of plan must "
+                         "have q_len == seq_len (no cached prefix, no decode)")
+
