@@ -1,0 +1,199 @@
+"""The demo's serving loop: continuous batching on a :class:`cupaged.BlockPool` and a :class:`cupaged.KVCache`.
+
+Each step schedules, vLLM v1 style, a token budget over the running requests (one token for a decoding request,
+the next chunk of a prefilling one) and then admits waiting requests while budget and sequence slots remain; a
+new request's first chunk starts after its prefix-cache hit (``BlockPool.cached_prefix_len``), so the hit tokens
+are neither budgeted nor computed. The pool plans the whole step at once; when it runs out of blocks the
+newest running request is preempted -- freed, and queued again to recompute its prompt and what it generated
+(its freed full blocks stay in the prefix cache) -- and the step is planned again. After the step a request that
+has consumed its whole history samples its next token; the parallel-sampling request forks once its prompt is in
+the cache (the child shares its blocks; copy-on-write runs through ``copy_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cupaged.cache_gather import copy_blocks
+from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks
+
+__all__ = ["Request", "Engine", "drop_cached"]
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence: ``tokens`` its history (prompt, then what it generated), ``computed`` how many of them have
+    their keys and values in the cache. ``temperature`` 0: greedy. ``logits``: (position, float32 row, chosen
+    token) for every token it sampled, for ``--verify``."""
+
+    seq_id: int
+    prompt: list
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    fork_as: int | None = None          # seq_id of a parallel sample forked once the prompt is cached
+    tokens: list = dataclasses.field(default_factory=list)
+    computed: int = 0
+    logits: list = dataclasses.field(default_factory=list)
+    rng: object = None
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt) if not self.tokens else self.tokens
+        self.rng = np.random.default_rng(self.seed) if self.rng is None else self.rng
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    def sample(self, row: np.ndarray) -> int:
+        if self.temperature == 0.0:
+            return int(np.argmax(row))
+        z = row.astype(np.float64) / self.temperature
+        p = np.exp(z - z.max())
+        return int(self.rng.choice(p.size, p=p / p.sum()))
+
+
+def drop_cached(plan: BatchPlan) -> tuple[BatchPlan, np.ndarray]:
+    """The plan without the positions the prefix cache served (slot -1: their keys and values are in the cache
+    already), and the kept token indices. Context lengths and tables stay: the remaining queries attend over the
+    cached prefix."""
+    keep = np.flatnonzero(plan.slot_mapping >= 0)
+    if keep.size == plan.num_tokens:
+        return plan, keep
+    seq_of = np.repeat(np.arange(plan.num_seqs), np.diff(plan.query_start_loc))
+    q_lens = np.bincount(seq_of[keep], minlength=plan.num_seqs)
+    qsl = np.zeros(plan.num_seqs + 1, np.int32)
+    np.cumsum(q_lens, out=qsl[1:])
+    trimmed = dataclasses.replace(plan, query_start_loc=qsl, slot_mapping=plan.slot_mapping[keep],
+                                  positions=plan.positions[keep], max_query_len=int(q_lens.max(initial=0)),
+                                  _staging=None)
+    return trimmed, keep
+
+
+class Engine:
+    """Serves :class:`Request` s on ``model`` (a TinyDecoder) with ``kv_cache``'s blocks, ``token_budget`` tokens
+    and ``max_num_seqs`` sequences a step. Counters for the closing table: ``stats``."""
+
+    def __init__(self, model, kv_cache, *, token_budget: int, max_num_seqs: int):
+        self.model, self.kv = model, kv_cache
+        self.pool = BlockPool(kv_cache.num_blocks, kv_cache.block_size, enable_prefix_caching=True)
+        self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.stats = dict(steps=0, prompt_tokens=0, hit_tokens=0, computed_tokens=0, generated=0, preemptions=0,
+                          forks=0, copies=0, peak_blocks=0, waste_sum=0.0, max_batch_tokens=0, mixed_steps=0)
+
+    def add(self, request: Request) -> None:
+        need = -(-(len(request.prompt) + request.max_new_tokens) // self.pool.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"request {request.seq_id} needs {need} blocks; the pool has {self.pool.num_blocks}")
+        self.waiting.append(request)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _schedule(self, admit: int):
+        """(request, new token count incl. prefix hits) pairs: running requests first, then up to ``admit`` new."""
+        batch, budget = [], self.token_budget
+        for r in self.running:
+            n = min(len(r.tokens) - r.computed, budget)
+            if n:
+                batch.append((r, n))
+                budget -= n
+        for r in self.waiting[:admit]:
+            if budget == 0:
+                break
+            hits = self.pool.cached_prefix_len(r.tokens)
+            n = min(len(r.tokens) - hits, budget)
+            batch.append((r, hits + n))
+            budget -= n
+        return batch
+
+    def _plan(self):
+        """Plan a step, preempting (or admitting fewer) until the pool can hold it."""
+        admit = max(self.max_num_seqs - len(self.running), 0)
+        while True:
+            batch = self._schedule(admit)
+            new = [r for r, _ in batch if r not in self.running]
+            try:
+                plan = self.pool.plan([(r.seq_id, np.asarray(r.tokens[r.computed:r.computed + n]))
+                                       for r, n in batch])
+                return batch, new, plan
+            except OutOfBlocks:
+                if new:
+                    admit = len(new) - 1
+                    continue
+                victim = self.running.pop()
+                self.pool.free(victim.seq_id)
+                victim.computed = 0
+                self.waiting.insert(0, victim)
+                self.stats["preemptions"] += 1
+                if not self.running:
+                    raise
+
+    def step(self) -> int:
+        """Run one step; returns the number of tokens generated."""
+        batch, new, plan = self._plan()
+        for r in new:
+            self.waiting.remove(r)
+            self.running.append(r)
+            self.stats["prompt_tokens"] += len(r.tokens)
+        copies = self.pool.take_pending_copies()
+        if copies.shape[0]:
+            copy_blocks(self.kv.key_caches, self.kv.value_caches, copies)
+            self.stats["copies"] += copies.shape[0]
+        self.stats["hit_tokens"] += int((plan.slot_mapping < 0).sum())
+        plan, keep = drop_cached(plan)
+        ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], np.int64) for r, n in batch])[keep]
+        xp = self.model.xp
+        hidden = self.model.forward(xp.asarray(ids), plan, self.kv)
+        ends = np.asarray(plan.query_start_loc[1:]) - 1
+        sampling = [i for i, (r, n) in enumerate(batch) if r.computed + n == len(r.tokens)]
+        rows = self.model.logits(hidden[xp.asarray(ends[sampling])]) if sampling else None
+        rows = rows if rows is None or isinstance(rows, np.ndarray) else rows.get()
+        self._account(batch, plan)
+        for r, n in batch:
+            r.computed += n
+        generated = 0
+        for row, i in zip(rows if rows is not None else (), sampling):
+            r = batch[i][0]
+            for s in self._fork(r):
+                generated += self._emit(s, row)
+        for r in [r for r in self.running if r.generated >= r.max_new_tokens]:
+            self.running.remove(r)
+            self.pool.free(r.seq_id)
+            self.finished.append(r)
+        return generated
+
+    def _fork(self, r: Request):
+        """The request, and its parallel sample once its prompt is cached (the child shares every block)."""
+        if r.fork_as is None or r.generated:
+            return [r]
+        child = Request(r.fork_as, r.prompt, r.max_new_tokens, r.temperature, r.seed + 1, tokens=list(r.tokens),
+                        computed=r.computed)
+        r.fork_as = None
+        self.pool.fork(r.seq_id, child.seq_id)
+        self.running.append(child)
+        self.stats["forks"] += 1
+        return [r, child]
+
+    def _emit(self, r: Request, row: np.ndarray) -> int:
+        token = r.sample(row)
+        r.logits.append((len(r.tokens) - 1, row.copy(), token))
+        r.tokens.append(token)
+        self.stats["generated"] += 1
+        return 1
+
+    def _account(self, batch, plan):
+        s, usage = self.stats, self.pool.usage()
+        s["steps"] += 1
+        s["computed_tokens"] += plan.num_tokens
+        s["max_batch_tokens"] = max(s["max_batch_tokens"], plan.num_tokens)
+        s["peak_blocks"] = max(s["peak_blocks"], usage.blocks_in_use)
+        s["waste_sum"] += usage.waste
+        decoding = sum(1 for r, n in batch if n == 1 and r.computed == len(r.tokens) - 1 >= len(r.prompt))
+        s["mixed_steps"] += int(0 < decoding < len(batch))

@@ -1,0 +1,90 @@
+"""The demo's tiny decoder: token embeddings, ``n_layers`` x (RMSNorm -> :class:`cupaged.layers.Attention` ->
+RMSNorm -> SwiGLU MLP) with residuals, a final RMSNorm and the output head. Random weights from a seed (no
+downloads); the float64 twin of its forward is cupaged.reference.layers.decoder_logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cupaged.layer_ops import linear, rms_norm
+from cupaged.layers import Attention
+from cupaged.rope import RotaryEmbedding
+
+__all__ = ["DecoderConfig", "TinyDecoder", "random_weights"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int = 512
+    dim: int = 256
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    hidden_dim: int = 512
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def rope(self) -> RotaryEmbedding:
+        return RotaryEmbedding(self.head_dim, rope_theta=self.rope_theta)
+
+
+def random_weights(config: DecoderConfig, seed: int) -> dict:
+    """float32 numpy weights, ``[out_features, in_features]`` matrices drawn N(0, 1 / in_features) (O(1)
+    activations and logits), norm weights near 1; separate wq / wk / wv (the layer fuses them on load)."""
+    rng = np.random.default_rng(seed)
+    c = config
+
+    def mat(out_features, in_features):
+        return (rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(np.float32)
+
+    def norm(n):
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"embed": rng.standard_normal((c.vocab_size, c.dim)).astype(np.float32)}
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        w.update({p + "attn_norm": norm(c.dim), p + "attn.wq": mat(c.n_heads * c.head_dim, c.dim),
+                  p + "attn.wk": mat(c.n_kv_heads * c.head_dim, c.dim),
+                  p + "attn.wv": mat(c.n_kv_heads * c.head_dim, c.dim), p + "attn.wo": mat(c.dim, c.n_heads * c.head_dim),
+                  p + "attn.q_norm": norm(c.head_dim), p + "attn.k_norm": norm(c.head_dim),
+                  p + "mlp_norm": norm(c.dim), p + "w1": mat(c.hidden_dim, c.dim), p + "w3": mat(c.hidden_dim, c.dim),
+                  p + "w2": mat(c.dim, c.hidden_dim)})
+    w["norm"], w["output"] = norm(c.dim), mat(c.vocab_size, c.dim)
+    return w
+
+
+class TinyDecoder:
+    """The decoder on ``xp`` (numpy: the sim; cupy: the GPU) in ``dtype``: ``forward(token_ids, plan, kv_cache)``
+    runs one step of a :class:`cupaged.BatchPlan` through every layer (each writes its keys and values into
+    ``kv_cache`` and attends over it) and returns the hidden states; ``logits(hidden)`` the output head."""
+
+    def __init__(self, config: DecoderConfig, weights: dict, xp=np, dtype=np.float32):
+        self.config, self.xp, self.dtype = config, xp, np.dtype(dtype)
+        put = (lambda a: xp.asarray(a).astype(self.dtype)) if xp is not np else (lambda a: a.astype(self.dtype))
+        self.w = {k: put(v) for k, v in weights.items() if not k.startswith("layers.") or ".attn." not in k}
+        rope = config.rope()  # one object: the layers share its cos / sin cache
+        self.layers = []
+        for i in range(config.n_layers):
+            attn = Attention(config.n_heads, config.n_kv_heads, config.dim, head_dim=config.head_dim, fuse_qkv=True,
+                             use_qk_normalization=True, norm_eps=config.norm_eps, rope=rope, dtype=self.dtype)
+            prefix = f"layers.{i}.attn."
+            attn.load_state_dict({k[len(prefix):]: put(v) for k, v in weights.items() if k.startswith(prefix)})
+            self.layers.append(attn)
+
+    def forward(self, token_ids, plan, kv_cache):
+        c, w = self.config, self.w
+        h = w["embed"][token_ids]
+        for i, attn in enumerate(self.layers):
+            p = f"layers.{i}."
+            h = h + attn.forward(rms_norm(h, w[p + "attn_norm"], c.norm_eps), plan, kv_cache, i)
+            a = rms_norm(h, w[p + "mlp_norm"], c.norm_eps)
+            gate, up = linear(a, w[p + "w1"]), linear(a, w[p + "w3"])
+            h = h + linear((gate / (1.0 + self.xp.exp(-gate)) * up).astype(self.dtype), w[p + "w2"])
+        return h
+
+    def logits(self, hidden):
+        """float32 ``[rows, vocab_size]`` of the given hidden rows."""
+        return linear(rms_norm(hidden, self.w["norm"], self.config.norm_eps), self.w["output"]).astype(np.float32)
