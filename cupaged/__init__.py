@@ -16,6 +16,7 @@ from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
 from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks, PoolUsage
 from cupaged.rope import RotaryEmbedding, rope_and_cache
 from cupaged.varlen_attention import varlen_attention
+from cupaged import layers
 
 __version__ = "0.1.0"
 
@@ -29,5 +30,5 @@ __all__ = [
     "paged_attention_v2", "varlen_attention", "mla_decode", "AttentionPlan", "KvView", "plan_attention",
     "run_attention", "workspace_bytes",
     "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",
-    "RotaryEmbedding", "rope_and_cache", "__version__",
+    "RotaryEmbedding", "rope_and_cache", "layers", "__version__",
 ]

@@ -34,8 +34,19 @@ def parser() -> argparse.ArgumentParser:
                           ("hidden", 512), ("vocab", 512), ("requests", 16), ("max-new-tokens", 32), ("system-len", 40),
                           ("prompt-len", 96), ("block-size", 16), ("num-blocks", 40), ("token-budget", 64),
                           ("max-num-seqs", 8)):
-        g.add_argument(f"--{flag}", type=int, default=default, metavar="N")
+        g.add_argument(f"--{flag}", type=_count(0 if flag == "system-len" else 1), default=default, metavar="N")
     return p
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in its messages
+    return parse
 
 
 def _xp(backend):
@@ -105,10 +116,9 @@ def table(engine: Engine, seconds: float, first: float, backend: str) -> str:
     return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+def build(args):
+    """(engine with every request added, float32 weights, config) for parsed ``args``."""
     xp = _xp(args.backend)
-    backend = "sim" if xp is np else "GPU"
     config = DecoderConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                            n_kv_heads=args.kv_heads, head_dim=args.head_dim, hidden_dim=args.hidden)
     weights = random_weights(config, args.seed)
@@ -116,10 +126,16 @@ def main(argv=None) -> int:
     model = TinyDecoder(config, weights, xp, dtype)
     kv = KVCache(config.n_layers, args.num_blocks, args.block_size, config.n_kv_heads, config.head_dim, dtype, xp=xp)
     engine = Engine(model, kv, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
-    requests = make_requests(args)
-    for r in requests:
+    for r in make_requests(args):
         engine.add(r)
-    total = sum(r.max_new_tokens for r in requests) + sum(r.max_new_tokens for r in requests if r.fork_as is not None)
+    return engine, weights, config
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    engine, weights, config = build(args)
+    backend = "sim" if engine.model.xp is np else "GPU"
+    total = sum(r.max_new_tokens * (1 + (r.fork_as is not None)) for r in engine.waiting)
     start, first = time.perf_counter(), None
     with tqdm(total=total, unit="tok", desc=f"serving on the {backend}", file=sys.stderr, mininterval=0.5) as bar:
         while not engine.done:

@@ -1,0 +1,494 @@
+"""Attention (cupaged/layers.py) against cupaged.reference.layers.attention, on the sim (and cuda with a GPU).
+
+The oracle is the float64 transcription of the seed's layer, run per sequence over the sequence's whole token
+history with its own DenseCache: causal attention over the history at once equals the step-by-step run in exact
+arithmetic, so every step's rows of the layer's output must match the reference's rows at the same positions.
+The layer instead runs steps of a BlockPool's plans (prefill chunks of awkward lengths, decode tokens, sequences
+arriving late, one freed so its blocks come back shuffled) over a shared paged KVCache that starts poisoned.
+Weights are standard normal / sqrt(fan_in), so every activation is O(1). The default run is a covering set; `-m
+slow` runs the product of head counts, RoPE styles, QKV and QK-norm options and dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import KVCache
+from cupaged.layers import Attention, ContextCache
+from cupaged.reference import dequantize_fp8, quantize_fp8
+from cupaged.reference import layers as ref
+from cupaged.testing import TOLERANCES, assert_close, compare, tolerance
+from tests.conftest import Backend
+
+F16, BF16, F32 = np.float16, ml_dtypes.bfloat16, np.float32
+DIM, HEAD_DIM = 64, 64
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}  # a short original context, so the scaling shows at ~100 tokens
+ROPES = {  # RotaryEmbedding's arguments after head_dim
+    None: None,
+    "neox": {},
+    "gptj": {"is_neox_style": False},
+    "partial-neox": {"rotary_dim": 32, "rope_theta": 1e6},
+    "partial-gptj": {"rotary_dim": 16, "is_neox_style": False},
+    "llama3": {"rope_theta": 500000.0, "scaling": LLAMA3},
+}
+# A 16-bit layer rounds four tensors on the way to its output (the q / k / v projections, QK-norm and RoPE, the
+# attention output, the output projection), each to within about one ulp of the exact value of its own rounded
+# inputs, and the weights keep each error O(1 ulp) on the way out; so its output is held to four times the
+# table's 16-bit tolerance, which the table sets for a single rounding. float32 keeps the table's tolerance.
+ROUNDINGS = 4
+_SIM = Backend("sim")  # for the tests of argument checks: no scheduling order matters there
+
+
+@dataclasses.dataclass
+class Case:
+    heads: tuple = (8, 2)  # (n_heads, n_kv_heads): GQA 1, 4 or 8 below
+    fuse_qkv: bool = False
+    qk_norm: bool = False
+    rope: str | None = "neox"
+    dtype: type = F32
+    block_size: int = 16
+    layout: str = "NHD"
+    kv_cache_dtype: str = "auto"
+    context_dim: int | None = None  # cross attention's context width (None: DIM)
+
+    def id(self):
+        fields = [f"h{self.heads[0]}-{self.heads[1]}", "fused" if self.fuse_qkv else "split",
+                  "qknorm" if self.qk_norm else "noqknorm", f"rope-{self.rope}", np.dtype(self.dtype).name,
+                  f"bs{self.block_size}", self.layout]
+        if self.kv_cache_dtype != "auto":
+            fields.append(self.kv_cache_dtype)
+        if self.context_dim:
+            fields.append(f"ctx{self.context_dim}")
+        return "-".join(fields)
+
+    def tolerance(self):
+        if self.kv_cache_dtype != "auto":  # against the reference whose cache holds the same fp8 values
+            return tolerance(self.dtype, self.kv_cache_dtype)
+        atol, rtol = TOLERANCES[np.dtype(self.dtype)]
+        return (atol, rtol) if np.dtype(self.dtype) == F32 else (ROUNDINGS * atol, ROUNDINGS * rtol)
+
+
+def rotary(case: Case):
+    kwargs = ROPES[case.rope]
+    return None if kwargs is None else cupaged.RotaryEmbedding(HEAD_DIM, **kwargs)
+
+
+def weights(rng, case: Case, fused=None):
+    """The layer's weights in its dtype (the reference reads the same rounded values), ``wqkv`` when ``fused``
+    (default: the case's), else wq / wk / wv."""
+    (n_heads, n_kv_heads), ctx = case.heads, case.context_dim or DIM
+
+    def linear(out_features, in_features):
+        return rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)
+
+    w = {"wq": linear(n_heads * HEAD_DIM, DIM), "wk": linear(n_kv_heads * HEAD_DIM, ctx),
+         "wv": linear(n_kv_heads * HEAD_DIM, ctx), "wo": linear(DIM, n_heads * HEAD_DIM)}
+    if case.qk_norm:
+        w["q_norm"], w["k_norm"] = 1 + 0.2 * rng.standard_normal((2, HEAD_DIM))
+    if case.fuse_qkv if fused is None else fused:
+        w["wqkv"] = np.concatenate([w.pop("wq"), w.pop("wk"), w.pop("wv")])
+    return {k: v.astype(case.dtype) for k, v in w.items()}
+
+
+def layer(backend, case: Case, w, attn_type="self", **kwargs):
+    n_heads, n_kv_heads = case.heads
+    attn = Attention(n_heads, n_kv_heads, DIM, head_dim=HEAD_DIM, context_dim=case.context_dim,
+                     fuse_qkv=case.fuse_qkv, use_qk_normalization=case.qk_norm, attn_type=attn_type,
+                     rope=rotary(case), dtype=case.dtype, **kwargs)
+    attn.load_state_dict({k: backend.asarray(v) for k, v in w.items()})
+    return attn
+
+
+class _Fp8Rounded(np.ndarray):
+    """A DenseCache array that keeps what an fp8 cache (scale 1) keeps of each value written into it, so the
+    reference reads the keys and values the layer reads (testing.TOLERANCES: fp8 compares against the
+    dequantized reference)."""
+
+    def __setitem__(self, index, value):
+        super().__setitem__(index, dequantize_fp8(quantize_fp8(value, 1.0, "fp8"), 1.0, "fp8"))
+
+
+def reference(case: Case, w, x, attn_type="self", context=None):
+    """The float64 reference of one sequence over ``x`` ``[seq_len, DIM]``, its whole history."""
+    n_heads, n_kv_heads = case.heads
+    cache = None
+    if attn_type == "self":
+        cache = ref.DenseCache(n_kv_heads, x.shape[0], HEAD_DIM)
+        if case.kv_cache_dtype != "auto":
+            cache.k, cache.v = cache.k.view(_Fp8Rounded), cache.v.view(_Fp8Rounded)
+    return ref.attention(w, x, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=HEAD_DIM, attn_type=attn_type,
+                         rope=rotary(case), cache=cache, context=context)
+
+
+def kv_cache(backend, case: Case, num_blocks, num_layers=2):
+    return KVCache(num_layers, num_blocks, case.block_size, case.heads[1], HEAD_DIM, case.dtype,
+                   layout=case.layout, kv_cache_dtype=case.kv_cache_dtype, xp=backend.xp)
+
+
+def cache_bytes(kv: KVCache, backend):
+    return [backend.to_numpy(c).view(np.uint8).copy() for c in kv.key_caches + kv.value_caches]
+
+
+# -- self attention over a paged cache: mixed steps ----------------------------------------------------------
+
+# Each step: (seq_id, new tokens) in batch order; "x" is freed after the first step, so "a"'s next chunk and "c"
+# take its blocks back out of order. The last step is a decode step (plan_decode).
+SELF_STEPS = (
+    (("a", 37), ("b", 21), ("x", 11)),   # prefill chunks
+    (("a", 37), ("b", 1), ("c", 19)),    # a's next chunk, a decode token, a new sequence
+    ("a", "b", "c"),                     # plan_decode
+)
+
+
+def run_self_steps(backend, case: Case, seed=0, layer_index=1):
+    """Run SELF_STEPS through one layer, pool and KVCache (layer ``layer_index`` of 2) and check every step's
+    output against the reference over each sequence's history; returns the cache."""
+    rng = np.random.default_rng(seed)
+    w = weights(rng, case)
+    attn = layer(backend, case, w)
+    history = {s: rng.standard_normal((80, DIM)).astype(case.dtype) for s in "abcx"}
+    num_blocks = 2 * 80 // case.block_size + 8
+    pool, kv = cupaged.BlockPool(num_blocks, case.block_size), kv_cache(backend, case, num_blocks)
+    lens = dict.fromkeys("abcx", 0)
+    for step in SELF_STEPS:
+        if isinstance(step[0], str):
+            plan, new = pool.plan_decode(list(step)), [(s, 1) for s in step]
+        else:
+            plan, new = pool.plan(step), step
+        x = np.concatenate([history[s][lens[s]:lens[s] + n] for s, n in new])
+        out = backend.to_numpy(attn.forward(backend.asarray(x), plan, kv, layer_index))
+        assert out.shape == (x.shape[0], DIM) and out.dtype == case.dtype
+        start = 0
+        for s, n in new:
+            want = reference(case, w, history[s][:lens[s] + n])[lens[s]:]
+            assert_close(out[start:start + n], want, case.tolerance(), f"step {SELF_STEPS.index(step)} {s}")
+            start, lens[s] = start + n, lens[s] + n
+        if "x" in pool:
+            pool.free("x")
+    return kv
+
+
+C = Case
+SELF_CASES = [
+    C(heads=(8, 8), fuse_qkv=True, qk_norm=True, rope="neox"),
+    C(heads=(8, 2), rope="gptj", block_size=5),
+    C(heads=(8, 1), fuse_qkv=True, rope="partial-neox", block_size=32, layout="HND"),
+    C(heads=(8, 2), qk_norm=True, rope="llama3", block_size=5, layout="HND"),
+    C(heads=(8, 1), rope=None),
+    C(heads=(8, 8), fuse_qkv=True, rope="partial-gptj", block_size=32),
+    C(heads=(8, 2), fuse_qkv=True, qk_norm=True, rope="neox", dtype=F16),
+    C(heads=(8, 1), rope="gptj", dtype=BF16, block_size=5, layout="HND"),
+    C(heads=(8, 8), qk_norm=True, rope="llama3", dtype=BF16, block_size=32),
+    C(heads=(8, 2), qk_norm=True, rope="neox", kv_cache_dtype="fp8"),
+    C(heads=(8, 1), fuse_qkv=True, rope=None, kv_cache_dtype="fp8", block_size=5, layout="HND"),
+]
+
+
+@pytest.mark.parametrize("case", SELF_CASES, ids=[c.id() for c in SELF_CASES])
+def test_self_attention_over_mixed_steps(backend, case):
+    kv = run_self_steps(backend, case)
+    # layer 1 was written; layer 0 is as the cache started (0xFF bytes)
+    assert all((b == 0xFF).all() for b in cache_bytes(kv, backend)[0::2])
+
+
+SLOW_SELF = [C(heads=h, fuse_qkv=f, qk_norm=n, rope=r, dtype=d, block_size=bs)
+             for h, f, n, r, d, bs in itertools.product(((8, 8), (8, 2), (8, 1)), (False, True), (False, True),
+                                                        ROPES, (F32, F16, BF16), (5, 16))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_SELF, ids=[c.id() for c in SLOW_SELF])
+def test_self_attention_full_grid(backend, case):
+    run_self_steps(backend, case)
+
+
+def test_prefix_cache_hits_are_read_not_written(backend):
+    """A sequence whose first blocks the prefix cache holds: those tokens stay in the batch with slot -1 (not
+    written), and every query still attends over them through the other sequence's blocks."""
+    case = C(heads=(8, 2), qk_norm=True, block_size=16)
+    rng = np.random.default_rng(3)
+    w = weights(rng, case)
+    attn = layer(backend, case, w)
+    embed = rng.standard_normal((100, DIM)).astype(F32)  # a token's x is its embedding: equal tokens, equal rows
+    prompt_a = rng.integers(0, 100, 40)
+    prompt_b = np.concatenate([prompt_a[:35], rng.integers(0, 100, 6)])
+    pool = cupaged.BlockPool(16, case.block_size, enable_prefix_caching=True)
+    kv = kv_cache(backend, case, 16, num_layers=1)
+    attn.forward(backend.asarray(embed[prompt_a]), pool.plan([("a", prompt_a)]), kv, 0)
+    assert pool.cached_prefix_len(prompt_b) == 32
+    plan = pool.plan([("b", prompt_b)])
+    assert (plan.slot_mapping[:32] == -1).all() and (plan.slot_mapping[32:] >= 0).all()
+    out = backend.to_numpy(attn.forward(backend.asarray(embed[prompt_b]), plan, kv, 0))
+    assert_close(out, reference(case, w, embed[prompt_b]), case.tolerance(), "b")
+
+
+def test_separate_weights_are_fused_on_load(backend):
+    case = C(heads=(8, 2), fuse_qkv=True, qk_norm=True)
+    rng = np.random.default_rng(4)
+    separate = weights(rng, case, fused=False)
+    fused = {k: v for k, v in separate.items() if k not in ("wq", "wk", "wv")}
+    fused["wqkv"] = np.concatenate([separate["wq"], separate["wk"], separate["wv"]])
+    from_separate, from_fused = layer(backend, case, separate), layer(backend, case, fused)
+    assert sorted(from_separate.state_dict()) == ["k_norm", "q_norm", "wo", "wqkv"]
+    assert np.array_equal(backend.to_numpy(from_separate.state_dict()["wqkv"]), fused["wqkv"])
+    x = rng.standard_normal((37, DIM)).astype(F32)
+    outs = []
+    for attn in (from_separate, from_fused):
+        pool, kv = cupaged.BlockPool(8, 16), kv_cache(backend, case, 8, num_layers=1)
+        outs.append(backend.to_numpy(attn.forward(backend.asarray(x), pool.plan([("a", 37)]), kv, 0)))
+    assert np.array_equal(outs[0], outs[1])
+    assert_close(outs[0], reference(case, separate, x), case.tolerance())
+
+
+# -- full (bidirectional) attention over whole sequences -------------------------------------------------------
+
+FULL_CASES = [
+    C(heads=(8, 8), fuse_qkv=True, qk_norm=True, rope="neox"),
+    C(heads=(8, 2), rope="gptj"),
+    C(heads=(8, 1), qk_norm=True, rope="llama3"),
+    C(heads=(8, 2), fuse_qkv=True, rope="partial-gptj", dtype=BF16),
+    C(heads=(8, 1), rope=None, dtype=F16),
+]
+
+
+@pytest.mark.parametrize("case", FULL_CASES, ids=[c.id() for c in FULL_CASES])
+def test_full_attention_over_whole_sequences(backend, case):
+    rng = np.random.default_rng(5)
+    w = weights(rng, case)
+    attn = layer(backend, case, w, attn_type="full")
+    lens = {"a": 37, "b": 5, "c": 1, "d": 70}
+    xs = {s: rng.standard_normal((n, DIM)).astype(case.dtype) for s, n in lens.items()}
+    pool = cupaged.BlockPool(16, 16)
+    out = backend.to_numpy(attn.forward(backend.asarray(np.concatenate(list(xs.values()))),
+                                        pool.plan(list(lens.items()))))
+    want = np.concatenate([reference(case, w, x, "full") for x in xs.values()])
+    assert_close(out, want, case.tolerance())
+
+
+def test_full_attention_rejects_a_cached_prefix_or_decode():
+    case = C(heads=(8, 2))
+    attn = layer(_SIM, case, weights(np.random.default_rng(6), case), attn_type="full")
+    pool = cupaged.BlockPool(16, 16)
+    attn.forward(np.zeros((7, DIM), F32), pool.plan([("a", 5), ("b", 2)]))
+    for plan in (pool.plan([("a", 3), ("c", 4)]), pool.plan_decode(["a", "b"])):
+        with pytest.raises(ValueError, match="attn_type='full'.*whole sequences"):
+            attn.forward(np.zeros((plan.num_tokens, DIM), F32), plan)
+
+
+# -- cross attention: per-request contexts kept in a ContextCache ----------------------------------------------
+
+CROSS_CASES = [
+    C(heads=(8, 8), fuse_qkv=True, qk_norm=True),
+    C(heads=(8, 2), context_dim=48),
+    C(heads=(8, 1), qk_norm=True, context_dim=96, dtype=BF16),
+]
+
+
+@pytest.mark.parametrize("case", CROSS_CASES, ids=[c.id() for c in CROSS_CASES])
+def test_cross_attention_keeps_each_context(backend, case):
+    """Step 1 brings a's and b's contexts (lengths 11 and 3); step 2 brings c's (length 29) while a and b read
+    theirs from the ContextCache; step 3 is a decode step bringing none. A RoPE given to a cross layer is ignored
+    (the reference never rotates cross attention either)."""
+    rng = np.random.default_rng(7)
+    w = weights(rng, case)
+    attn = layer(backend, case, w, attn_type="cross")
+    ctx_dim = case.context_dim or DIM
+    contexts = {s: rng.standard_normal((n, ctx_dim)).astype(case.dtype) for s, n in (("a", 11), ("b", 3), ("c", 29))}
+    store, pool = ContextCache(), cupaged.BlockPool(16, 16)
+    steps = [([("a", 37), ("b", 5)], "ab"), ([("a", 1), ("c", 19), ("b", 2)], "c"), (["c", "a", "b"], "")]
+    for i, (step, new) in enumerate(steps):
+        plan = pool.plan_decode(step) if isinstance(step[0], str) else pool.plan(step)
+        batch = [(s, 1) for s in step] if isinstance(step[0], str) else step
+        xs = [rng.standard_normal((n, DIM)).astype(case.dtype) for _, n in batch]
+        context = {s: backend.asarray(contexts[s]) for s in new} if new else None
+        out = backend.to_numpy(attn.forward(backend.asarray(np.concatenate(xs)), plan, store, 0, context=context))
+        want = np.concatenate([reference(case, w, x, "cross", contexts[s]) for (s, _), x in zip(batch, xs)])
+        assert_close(out, want, case.tolerance(), f"step {i}")
+    assert [store.context_len(s) for s in "abc"] == [11, 3, 29]
+    # without a store, every sequence brings its context every step
+    plan = pool.plan([("a", 2), ("c", 1)])
+    x = rng.standard_normal((3, DIM)).astype(case.dtype)
+    out = backend.to_numpy(attn.forward(backend.asarray(x), plan, None, 0,
+                                        context={s: backend.asarray(contexts[s]) for s in "ac"}))
+    want = np.concatenate([reference(case, w, x[:2], "cross", contexts["a"]),
+                           reference(case, w, x[2:], "cross", contexts["c"])])
+    assert_close(out, want, case.tolerance(), "no store")
+
+
+def test_cross_attention_without_a_context_raises_and_keeps_nothing():
+    case = C(heads=(8, 2))
+    rng = np.random.default_rng(8)
+    attn = layer(_SIM, case, weights(rng, case), attn_type="cross")
+    store, pool = ContextCache(), cupaged.BlockPool(16, 16)
+    ctx = {"a": rng.standard_normal((4, DIM)).astype(F32)}
+    attn.forward(np.zeros((3, DIM), F32), pool.plan([("a", 3)]), store, 0, context=ctx)
+    plan = pool.plan([("a", 1), ("d", 2)])
+    x = np.zeros((3, DIM), F32)
+    with pytest.raises(ValueError, match="sequence 'd' brings no context"):
+        attn.forward(x, plan, store, 0)
+    with pytest.raises(ValueError, match="sequence 'a' brings no context and none is kept for layer 1"):
+        attn.forward(x, plan, store, 1, context={"d": ctx["a"]})  # a's context is kept for layer 0 only
+    with pytest.raises(ValueError, match="sequence 'a' brings no context"):
+        attn.forward(x, plan, None, 0, context={"d": ctx["a"]})
+    with pytest.raises(ValueError, match=r"context\['e'\]: no such sequence"):
+        attn.forward(x, plan, store, 0, context={"d": ctx["a"], "e": ctx["a"]})
+    with pytest.raises(ValueError, match=r"context\['d'\] must be a \[context_len, 64\] float32"):
+        attn.forward(x, plan, store, 0, context={"d": ctx["a"][:, :10]})
+    with pytest.raises(ValueError, match=r"context\['d'\] must be"):
+        attn.forward(x, plan, store, 0, context={"d": ctx["a"].astype(F16)})
+    with pytest.raises(ValueError, match="seq_ids is None"):
+        attn.forward(x, dataclasses.replace(plan, seq_ids=None), store, 0, context={"d": ctx["a"]})
+    with pytest.raises(TypeError, match="kv_cache must be a cupaged.layers.ContextCache or None"):
+        attn.forward(x, plan, KVCache(1, 16, 16, 2, HEAD_DIM, F32, xp=np), 0, context={"d": ctx["a"]})
+    assert ("d", 0) not in store and store.context_len("a") == 4 and store.nbytes == 2 * 4 * 2 * HEAD_DIM * 4
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+
+_RoPE64 = cupaged.RotaryEmbedding(64)
+
+CONSTRUCTOR = [  # (args, kwargs, exception, message)
+    ((0, 1, 64), {}, ValueError, "n_heads must be >= 1"),
+    ((8.0, 1, 64), {}, TypeError, "n_heads must be an int"),
+    ((8, 3, 64), {}, ValueError, "n_heads=8 must be a multiple of n_kv_heads=3"),
+    ((8, 0, 64), {}, ValueError, "n_kv_heads must be >= 1"),
+    ((8, 2, 0), {}, ValueError, "dim must be >= 1"),
+    ((8, 2, 4), {}, ValueError, "head_dim: dim=4 // n_heads=8 is 0"),
+    ((8, 2, 64), {"head_dim": 0}, ValueError, "head_dim must be >= 1"),
+    ((8, 2, 64), {"context_dim": -1}, ValueError, "context_dim must be >= 1"),
+    ((8, 2, 64), {"fuse_qkv": "yes"}, TypeError, "fuse_qkv must be a bool"),
+    ((8, 2, 64), {"use_qk_normalization": None}, TypeError, "use_qk_normalization must be a bool"),
+    ((8, 2, 64), {"norm_eps": 0.0}, ValueError, "norm_eps"),
+    ((8, 2, 64), {"attn_type": "causal"}, ValueError, "attn_type must be one of 'self', 'full', 'cross'"),
+    ((8, 2, 64), {"rope": "neox"}, TypeError, "rope must be a cupaged.RotaryEmbedding or None"),
+    ((8, 2, 64), {"rope": _RoPE64}, ValueError, "rope is for head_dim=64, the layer's head_dim is 8"),
+    ((8, 2, 64), {"dtype": np.float64}, TypeError, "dtype must be float32, float16 or bfloat16"),
+    ((8, 2, 64), {"dtype": "float8"}, TypeError, "dtype must be float32, float16 or bfloat16"),
+    ((8, 2, 64), {"fuse_qkv": True, "context_dim": 32, "attn_type": "cross"}, ValueError,
+     "fuse_qkv needs context_dim == dim"),
+]
+
+
+@pytest.mark.parametrize("args, kwargs, exc, match", CONSTRUCTOR, ids=[m for *_, m in CONSTRUCTOR])
+def test_constructor_arguments_are_checked(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        Attention(*args, **kwargs)
+
+
+def test_load_state_dict_checks_every_key_and_shape_before_keeping_any():
+    case = C(heads=(8, 2), qk_norm=True)
+    rng = np.random.default_rng(9)
+    good = weights(rng, case)
+    attn = layer(_SIM, case, good)
+    bad = [({k: v for k, v in good.items() if k != "k_norm"}, KeyError, r"missing \['k_norm'\], unexpected \[\]"),
+           ({**good, "bias": good["wo"]}, KeyError, r"unexpected \['bias'\]"),
+           ({**good, "wqkv": good["wq"]}, KeyError, r"unexpected \['wqkv'\]"),
+           ({**good, "wo": good["wo"].T}, ValueError, r"wo must have shape \[64, 512\], got \(512, 64\)"),
+           ({**good, "k_norm": good["k_norm"][:-1]}, ValueError, r"k_norm must have shape \[64\]"),
+           ({**good, "wq": good["wq"].tolist()}, TypeError, "wq must be a numpy or cupy array")]
+    for state, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            attn.load_state_dict(state)
+        assert all(np.array_equal(attn.weights[k], good[k]) for k in good)  # the old weights stay
+    fused = layer(_SIM, C(heads=(8, 2), fuse_qkv=True), weights(rng, C(heads=(8, 2), fuse_qkv=True)))
+    separate = weights(rng, C(heads=(8, 2)))
+    with pytest.raises(ValueError, match=r"wk must have shape \[128, 64\]"):
+        fused.load_state_dict({**separate, "wk": separate["wq"]})
+    with pytest.raises(KeyError, match=r"missing \['wqkv'\], unexpected \['wk', 'wq'\]"):
+        fused.load_state_dict({k: v for k, v in separate.items() if k != "wv"})
+
+
+def test_forward_before_load_state_dict():
+    with pytest.raises(RuntimeError, match="call load_state_dict first"):
+        Attention(8, 2, DIM, head_dim=HEAD_DIM).forward(np.zeros((1, DIM), F32), cupaged.BlockPool(4, 16).plan(
+            [("a", 1)]), KVCache(1, 4, 16, 2, HEAD_DIM, F32, xp=np))
+
+
+def _bad_forward_calls(case, pool, kv):
+    """(call's changes to (x, plan, kv_cache, layer), exception, message): each must fail before any write."""
+    plan = pool.plan([("a", 5), ("b", 1)])
+    x = np.ones((6, DIM), F32)
+
+    def other(**kw):
+        return KVCache(**{**dict(num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2, head_size=HEAD_DIM,
+                                 dtype=F32, xp=np), **kw})
+
+    return [
+        ((x[:, :-1], plan, kv, 0), ValueError, r"x must be \[num_tokens, dim=64\], got shape \(6, 63\)"),
+        ((x[None], plan, kv, 0), ValueError, r"x must be \[num_tokens, dim=64\]"),
+        ((x.astype(F16), plan, kv, 0), TypeError, "x must have the layer's dtype float32, got float16"),
+        ((x.tolist(), plan, kv, 0), TypeError, "x must be a numpy or cupy array"),
+        ((x[:5], plan, kv, 0), ValueError, "x has 5 tokens, plan has 6"),
+        ((x, None, kv, 0), TypeError, "plan must be a cupaged.BatchPlan, got NoneType"),
+        ((x, plan, None, 0), TypeError, "kv_cache must be a cupaged.KVCache for attn_type='self', got NoneType"),
+        ((x, plan, ContextCache(), 0), TypeError, "kv_cache must be a cupaged.KVCache"),
+        ((x, plan, kv, 2), ValueError, "layer must be <= 1, got 2"),
+        ((x, plan, kv, -1), ValueError, "layer must be >= 0, got -1"),
+        ((x, plan, kv, True), TypeError, "layer must be an int"),
+        ((x, plan, other(num_kv_heads=1), 0), ValueError, "kv_cache holds 1 kv heads of 64 in float32; the layer "
+                                                          "has 2 of 64"),
+        ((x, plan, other(head_size=32), 0), ValueError, "kv_cache holds 2 kv heads of 32"),
+        ((x, plan, other(dtype=F16), 0), ValueError, "kv_cache holds 2 kv heads of 64 in float16"),
+        ((x, plan, other(layout="vllm"), 0), NotImplementedError, "kv_cache.layout='vllm'"),
+    ]
+
+
+@pytest.mark.parametrize("rope", [None, "neox"])
+def test_a_failed_forward_names_the_argument_and_leaves_the_cache_as_it_was(rope):
+    case = C(heads=(8, 2), rope=rope)
+    attn = layer(_SIM, case, weights(np.random.default_rng(10), case))
+    pool, kv = cupaged.BlockPool(16, 16), kv_cache(_SIM, case, 16)
+    attn.forward(np.ones((3, DIM), F32), pool.plan([("a", 2), ("b", 1)]), kv, 1)
+    before = cache_bytes(kv, _SIM)
+    for args, exc, match in _bad_forward_calls(case, pool, kv):
+        with pytest.raises(exc, match=match):
+            attn.forward(*args)
+        after = cache_bytes(kv, _SIM)
+        assert all(np.array_equal(b, a) for b, a in zip(before, after)), match
+
+
+def test_slots_outside_the_cache_are_caught_under_validate(monkeypatch):
+    """A KVCache smaller than the pool whose plan it runs: with CUPAGED_VALIDATE=1, a ValueError before any
+    write (without it, the cache write runs out of bounds: a fault on the sim)."""
+    monkeypatch.setenv("CUPAGED_VALIDATE", "1")
+    case = C(heads=(8, 2))
+    attn = layer(_SIM, case, weights(np.random.default_rng(11), case))
+    pool, kv = cupaged.BlockPool(16, 16), kv_cache(_SIM, case, 2)
+    pool.append("other", 40)  # "a" gets blocks 3 and up
+    before = cache_bytes(kv, _SIM)
+    with pytest.raises(ValueError, match="slot"):
+        attn.forward(np.ones((20, DIM), F32), pool.plan([("a", 20)]), kv, 0)
+    assert all(np.array_equal(b, a) for b, a in zip(before, cache_bytes(kv, _SIM)))
+
+
+def test_an_empty_step_checks_its_arguments_too():
+    """A step with no tokens runs no kernel, but its bad kv_cache or layer is still an error: a serving loop
+    must not learn of it only on its first non-empty step."""
+    case = C(heads=(8, 2))
+    attn = layer(_SIM, case, weights(np.random.default_rng(12), case))
+    pool, kv = cupaged.BlockPool(16, 16), kv_cache(_SIM, case, 16)
+    x, plan = np.zeros((0, DIM), F32), pool.plan([])
+    assert attn.forward(x, plan, kv, 1).shape == (0, DIM)
+    with pytest.raises(TypeError, match="kv_cache must be a cupaged.KVCache"):
+        attn.forward(x, plan, None, 0)
+    with pytest.raises(ValueError, match="layer must be <= 1"):
+        attn.forward(x, plan, kv, 2)
+
+
+def test_rope_variants_and_options_change_the_reference():
+    """The cases above can tell the options apart: at their positions every RoPE variant, QK-norm and GQA
+    grouping changes the reference output by far more than the float32 tolerance."""
+    rng = np.random.default_rng(13)
+    case = C(heads=(8, 2), qk_norm=True)
+    w, x = weights(rng, case), rng.standard_normal((80, DIM))
+    outs = {name: reference(dataclasses.replace(case, rope=name), w, x) for name in ROPES}
+    outs["no-qk-norm"] = reference(case, {k: v for k, v in w.items() if "norm" not in k}, x)
+    for (a, out_a), (b, out_b) in itertools.combinations(outs.items(), 2):
+        assert compare(out_a, out_b, F32).failures > out_a.size // 10, (a, b)
