@@ -135,7 +135,7 @@ class Attention:
         t = x.shape[0]
         if self.attn_type == "cross":
             q = linear(x, w["wqkv"][:self.q_size] if self.fuse_qkv else w["wq"]).reshape(t, self.n_heads, -1)
-            k, v, cu_k, max_k = self._context_kv(plan, kv_cache, layer, context, xp)
+            k, v, cu_k, max_k, fresh = self._context_kv(plan, kv_cache, layer, context, xp)
         else:
             q, k, v = self._qkv(x)
         if self.use_qk_normalization:
@@ -154,6 +154,9 @@ class Attention:
             else:
                 varlen_attention(q, k, v, plan.query_start_loc, cu_k, causal=False,
                                  max_seqlen_q=plan.max_query_len, max_seqlen_k=max_k, out=out)
+        if self.attn_type == "cross" and kv_cache is not None:  # kept once the step has run
+            for seq_id, (ck, cv) in fresh.items():
+                kv_cache.put(seq_id, layer, ck, cv)
         return linear(out.reshape(t, self.q_size), w["wo"])
 
     __call__ = forward
@@ -183,6 +186,9 @@ class Attention:
         if module_of(key) is not xp:
             raise TypeError("kv_cache lives on another backend than x (numpy arrays: the sim; cupy: the GPU)")
         kvd, layout = kv_cache.kv_cache_dtype, kv_cache.layout
+        kv = KvView.paged(key, value, q, kvd, layout)  # planned before the cache write: a plan that raises
+        attn = plan_attention(q, kv, plan.block_tables, plan.seq_lens, plan.query_start_loc,  # writes nothing
+                              max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
         if self.rope is None:
             reshape_and_cache_flash(k, v, key, value, plan.slot_mapping, kvd, self.k_scale, self.v_scale,
                                     layout=layout)
@@ -190,15 +196,13 @@ class Attention:
             cos_sin = rope_cache(self.rope, plan.max_seq_len, xp)
             rope_and_cache(q, k, v, plan.positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
                            self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout)
-        kv = KvView.paged(key, value, q, kvd, layout)
-        attn = plan_attention(q, kv, plan.block_tables, plan.seq_lens, plan.query_start_loc,
-                              max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
         run_attention(attn, q, kv, out, None, plan.block_tables, plan.seq_lens, plan.query_start_loc,
                       scale=1.0 / math.sqrt(self.head_dim), k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _context_kv(self, plan, store, layer, context, xp):
-        """The batch's context keys and values packed along the token axis, and their cu_seqlens: new contexts
-        projected (and k-normed) now and kept in ``store``, the others read back from it."""
+        """The batch's context keys and values packed along the token axis, their cu_seqlens and longest length,
+        and the new contexts' (projected and k-normed now; the caller keeps them in ``store`` once the step ran),
+        the others read back from ``store``."""
         if store is not None and not isinstance(store, ContextCache):
             raise TypeError(f"kv_cache must be a cupaged.layers.ContextCache or None for attn_type='cross', "
                             f"got {type(store).__name__}")
@@ -218,16 +222,13 @@ class Attention:
         if missing:
             raise ValueError(f"context: sequence {missing[0]!r} brings no context and none is kept for layer {layer}")
         fresh = {s: self._project_context(context[s]) for s in ids if s in context}
-        if store is not None:
-            for s, kv in fresh.items():
-                store.put(s, layer, *kv)
         pairs = [fresh[s] if s in fresh else store.get(s, layer) for s in ids]
         lens = np.array([0] + [p[0].shape[0] for p in pairs], np.int64)
         cu_k = xp.asarray(np.cumsum(lens).astype(np.int32))
         k = xp.concatenate([p[0] for p in pairs]) if pairs else xp.empty((0, self.n_kv_heads, self.head_dim),
                                                                            self.dtype)
         v = xp.concatenate([p[1] for p in pairs]) if pairs else k
-        return k, v, cu_k, int(lens.max(initial=0))
+        return k, v, cu_k, int(lens.max(initial=0)), fresh
 
     def _project_context(self, c):
         w, n = self.weights, c.shape[0]
