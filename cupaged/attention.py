@@ -102,7 +102,9 @@ def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, blo
     max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
     t, kv = CTYPE[q_dtype], KV_CODE[kv_cache_dtype]
     shared = kind == "mla"
-    hd = MLA_BUCKET[0] if shared else next(b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size))
+    hd = MLA_BUCKET[0] if shared else next((b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)), None)
+    if hd is None:
+        raise NotImplementedError(f"head_size={max(head_size, v_head_size)}: at most {HEAD_BUCKETS[-1]} is supported")
     cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
     sms, sm_shared = device
     # A decode kernel takes the short query runs, or every run (decode_max_q ALL_ROWS: float32, vLLM's layout, MLA,

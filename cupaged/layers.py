@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from cupaged._attention_args import MAX_HEAD_SIZE, check_tables
 from cupaged._backend import array_module, module_of
 from cupaged._checks import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int
 from cupaged.attention import KvView, plan_attention, run_attention
@@ -53,6 +54,8 @@ class Attention:
         self.head_dim = dim // self.n_heads if head_dim is None else check_int("head_dim", head_dim, 1)
         if self.head_dim < 1:
             raise ValueError(f"head_dim: dim={dim} // n_heads={n_heads} is 0; give head_dim")
+        if self.head_dim > MAX_HEAD_SIZE:
+            raise NotImplementedError(f"head_dim={self.head_dim}: the attention kernels take at most {MAX_HEAD_SIZE}")
         self.context_dim = self.dim if context_dim is None else check_int("context_dim", context_dim, 1)
         self.fuse_qkv = check_bool("fuse_qkv", fuse_qkv)
         self.use_qk_normalization = check_bool("use_qk_normalization", use_qk_normalization)
@@ -64,7 +67,10 @@ class Attention:
         if rope is not None and rope.head_dim != self.head_dim:
             raise ValueError(f"rope is for head_dim={rope.head_dim}, the layer's head_dim is {self.head_dim}")
         self.rope = None if attn_type == "cross" else rope
-        self.dtype = np.dtype(dtype)
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
         if self.fuse_qkv and self.context_dim != self.dim:
@@ -129,8 +135,18 @@ class Attention:
             raise TypeError(f"plan must be a cupaged.BatchPlan, got {type(plan).__name__}")
         if plan.slot_mapping.shape[0] != x.shape[0]:
             raise ValueError(f"x has {x.shape[0]} tokens, plan has {plan.slot_mapping.shape[0]}")
+        if context is not None and self.attn_type != "cross":
+            raise ValueError(f"context is cross attention's; this layer's attn_type is {self.attn_type!r}")
+        check_tables(plan.block_tables, plan.seq_lens, plan.query_start_loc, x.shape[0])
         if self.attn_type == "full":
             _whole_sequences(plan)
+        elif self.attn_type == "self":
+            cache = self._cache_arrays(kv_cache, layer, plan, xp)
+        else:
+            if kv_cache is not None and not isinstance(kv_cache, ContextCache):
+                raise TypeError(f"kv_cache must be a cupaged.layers.ContextCache or None for attn_type='cross', "
+                                f"got {type(kv_cache).__name__}")
+            layer = check_int("layer", layer, 0)
         plan = device_plan(plan, xp)
         t = x.shape[0]
         if self.attn_type == "cross":
@@ -145,7 +161,7 @@ class Attention:
         out = xp.empty((t, self.n_heads, self.head_dim), self.dtype)
         if t:
             if self.attn_type == "self":
-                self._paged(q, k, v, plan, kv_cache, layer, out, xp)
+                self._paged(q, k, v, plan, kv_cache, cache, out)
             elif self.attn_type == "full":
                 if self.rope is not None:
                     self.rope(plan.positions, q, k)
@@ -172,7 +188,8 @@ class Attention:
         heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
         return tuple(p.reshape(t, h, self.head_dim) for p, h in zip(parts, heads))
 
-    def _paged(self, q, k, v, plan, kv_cache, layer, out, xp):
+    def _cache_arrays(self, kv_cache, layer, plan, xp):
+        """Layer ``layer``'s key and value caches, checked against the layer and the plan."""
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"kv_cache must be a cupaged.KVCache for attn_type='self', got {type(kv_cache).__name__}")
         layer = check_int("layer", layer, 0, kv_cache.num_layers - 1)
@@ -182,9 +199,16 @@ class Attention:
         if (kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.dtype) != (self.n_kv_heads, self.head_dim, self.dtype):
             raise ValueError(f"kv_cache holds {kv_cache.num_kv_heads} kv heads of {kv_cache.head_size} in "
                              f"{kv_cache.dtype}; the layer has {self.n_kv_heads} of {self.head_dim} in {self.dtype}")
+        if plan.block_size is not None and plan.block_size != kv_cache.block_size:
+            raise ValueError(f"kv_cache has blocks of {kv_cache.block_size} tokens; plan's pool has blocks of "
+                             f"{plan.block_size}")
         key, value = kv_cache.key(layer), kv_cache.value(layer)
         if module_of(key) is not xp:
             raise TypeError("kv_cache lives on another backend than x (numpy arrays: the sim; cupy: the GPU)")
+        return key, value
+
+    def _paged(self, q, k, v, plan, kv_cache, cache, out):
+        key, value = cache
         kvd, layout = kv_cache.kv_cache_dtype, kv_cache.layout
         kv = KvView.paged(key, value, q, kvd, layout)  # planned before the cache write: a plan that raises
         attn = plan_attention(q, kv, plan.block_tables, plan.seq_lens, plan.query_start_loc,  # writes nothing
@@ -193,7 +217,7 @@ class Attention:
             reshape_and_cache_flash(k, v, key, value, plan.slot_mapping, kvd, self.k_scale, self.v_scale,
                                     layout=layout)
         else:
-            cos_sin = rope_cache(self.rope, plan.max_seq_len, xp)
+            cos_sin = rope_cache(self.rope, plan.max_seq_len, module_of(q))
             rope_and_cache(q, k, v, plan.positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
                            self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout)
         run_attention(attn, q, kv, out, None, plan.block_tables, plan.seq_lens, plan.query_start_loc,
@@ -203,9 +227,6 @@ class Attention:
         """The batch's context keys and values packed along the token axis, their cu_seqlens and longest length,
         and the new contexts' (projected and k-normed now; the caller keeps them in ``store`` once the step ran),
         the others read back from ``store``."""
-        if store is not None and not isinstance(store, ContextCache):
-            raise TypeError(f"kv_cache must be a cupaged.layers.ContextCache or None for attn_type='cross', "
-                            f"got {type(store).__name__}")
         if plan.seq_ids is None:
             raise ValueError("plan.seq_ids is None: cross attention finds each sequence's context by its id "
                              "(plan with BlockPool.plan / plan_decode)")

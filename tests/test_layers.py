@@ -209,9 +209,9 @@ def test_self_attention_full_grid(backend, case):
     run_self_steps(backend, case)
 
 
-def test_prefix_cache_hits_are_read_not_written(backend):
-    """A sequence whose first blocks the prefix cache holds: those tokens stay in the batch with slot -1 (not
-    written), and every query still attends over them through the other sequence's blocks."""
+def test_prefix_cache_hits_are_attended_through_the_shared_blocks(backend):
+    """A sequence whose first two blocks the prefix cache holds: those tokens stay in the batch with slot -1, and
+    every query attends over them through the blocks the first sequence wrote."""
     case = C(heads=(8, 2), qk_norm=True, block_size=16)
     rng = np.random.default_rng(3)
     w = weights(rng, case)
@@ -345,6 +345,9 @@ def test_cross_attention_without_a_context_raises_and_keeps_nothing():
         attn.forward(x, plan, store, 0, context={"d": ctx["a"].astype(F16)})
     with pytest.raises(ValueError, match="seq_ids is None"):
         attn.forward(x, dataclasses.replace(plan, seq_ids=None), store, 0, context={"d": ctx["a"]})
+    with pytest.raises(TypeError, match="query_start_loc must have dtype int32"):
+        attn.forward(x, dataclasses.replace(plan, query_start_loc=plan.query_start_loc.astype(np.int64)), store, 0,
+                     context={"d": ctx["a"]})
     with pytest.raises(TypeError, match="kv_cache must be a cupaged.layers.ContextCache or None"):
         attn.forward(x, plan, KVCache(1, 16, 16, 2, HEAD_DIM, F32, xp=np), 0, context={"d": ctx["a"]})
     assert ("d", 0) not in store and store.context_len("a") == 4 and store.nbytes == 2 * 4 * 2 * HEAD_DIM * 4
@@ -352,31 +355,30 @@ def test_cross_attention_without_a_context_raises_and_keeps_nothing():
 
 # -- bad input -----------------------------------------------------------------------------------------------
 
-_RoPE64 = cupaged.RotaryEmbedding(64)
+CONSTRUCTOR = {  # id: (args, kwargs, exception, message)
+    "n_heads-0": ((0, 1, 64), {}, ValueError, "n_heads must be >= 1"),
+    "n_heads-float": ((8.0, 1, 64), {}, TypeError, "n_heads must be an int"),
+    "gqa-8-3": ((8, 3, 64), {}, ValueError, "n_heads=8 must be a multiple of n_kv_heads=3"),
+    "n_kv_heads-0": ((8, 0, 64), {}, ValueError, "n_kv_heads must be >= 1"),
+    "dim-0": ((8, 2, 0), {}, ValueError, "dim must be >= 1"),
+    "dim-below-n_heads": ((8, 2, 4), {}, ValueError, "head_dim: dim=4 // n_heads=8 is 0"),
+    "head_dim-0": ((8, 2, 64), {"head_dim": 0}, ValueError, "head_dim must be >= 1"),
+    "context_dim-negative": ((8, 2, 64), {"context_dim": -1}, ValueError, "context_dim must be >= 1"),
+    "fuse_qkv-str": ((8, 2, 64), {"fuse_qkv": "yes"}, TypeError, "fuse_qkv must be a bool"),
+    "qk_norm-None": ((8, 2, 64), {"use_qk_normalization": None}, TypeError, "use_qk_normalization must be a bool"),
+    "norm_eps-0": ((8, 2, 64), {"norm_eps": 0.0}, ValueError, "norm_eps"),
+    "attn_type": ((8, 2, 64), {"attn_type": "causal"}, ValueError, "attn_type must be one of 'self', 'full', 'cross'"),
+    "rope-str": ((8, 2, 64), {"rope": "neox"}, TypeError, "rope must be a cupaged.RotaryEmbedding or None"),
+    "rope-head_dim": ((8, 2, 64), {"rope": cupaged.RotaryEmbedding(64)}, ValueError,
+                      "rope is for head_dim=64, the layer's head_dim is 8"),
+    "dtype-float64": ((8, 2, 64), {"dtype": np.float64}, TypeError, "dtype must be float32, float16 or bfloat16"),
+    "dtype-unknown": ((8, 2, 64), {"dtype": "float8"}, TypeError, "dtype must be float32, float16 or bfloat16"),
+    "fused-cross-context_dim": ((8, 2, 64), {"fuse_qkv": True, "context_dim": 32, "attn_type": "cross"}, ValueError,
+                                "fuse_qkv needs context_dim == dim"),
+}
 
-CONSTRUCTOR = [  # (args, kwargs, exception, message)
-    ((0, 1, 64), {}, ValueError, "n_heads must be >= 1"),
-    ((8.0, 1, 64), {}, TypeError, "n_heads must be an int"),
-    ((8, 3, 64), {}, ValueError, "n_heads=8 must be a multiple of n_kv_heads=3"),
-    ((8, 0, 64), {}, ValueError, "n_kv_heads must be >= 1"),
-    ((8, 2, 0), {}, ValueError, "dim must be >= 1"),
-    ((8, 2, 4), {}, ValueError, "head_dim: dim=4 // n_heads=8 is 0"),
-    ((8, 2, 64), {"head_dim": 0}, ValueError, "head_dim must be >= 1"),
-    ((8, 2, 64), {"context_dim": -1}, ValueError, "context_dim must be >= 1"),
-    ((8, 2, 64), {"fuse_qkv": "yes"}, TypeError, "fuse_qkv must be a bool"),
-    ((8, 2, 64), {"use_qk_normalization": None}, TypeError, "use_qk_normalization must be a bool"),
-    ((8, 2, 64), {"norm_eps": 0.0}, ValueError, "norm_eps"),
-    ((8, 2, 64), {"attn_type": "causal"}, ValueError, "attn_type must be one of 'self', 'full', 'cross'"),
-    ((8, 2, 64), {"rope": "neox"}, TypeError, "rope must be a cupaged.RotaryEmbedding or None"),
-    ((8, 2, 64), {"rope": _RoPE64}, ValueError, "rope is for head_dim=64, the layer's head_dim is 8"),
-    ((8, 2, 64), {"dtype": np.float64}, TypeError, "dtype must be float32, float16 or bfloat16"),
-    ((8, 2, 64), {"dtype": "float8"}, TypeError, "dtype must be float32, float16 or bfloat16"),
-    ((8, 2, 64), {"fuse_qkv": True, "context_dim": 32, "attn_type": "cross"}, ValueError,
-     "fuse_qkv needs context_dim == dim"),
-]
 
-
-@pytest.mark.parametrize("args, kwargs, exc, match", CONSTRUCTOR, ids=[m for *_, m in CONSTRUCTOR])
+@pytest.mark.parametrize("args, kwargs, exc, match", CONSTRUCTOR.values(), ids=list(CONSTRUCTOR))
 def test_constructor_arguments_are_checked(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         Attention(*args, **kwargs)
@@ -411,7 +413,7 @@ def test_forward_before_load_state_dict():
             [("a", 1)]), KVCache(1, 4, 16, 2, HEAD_DIM, F32, xp=np))
 
 
-def _bad_forward_calls(case, pool, kv):
+def _bad_forward_calls(pool, kv):
     """(call's changes to (x, plan, kv_cache, layer), exception, message): each must fail before any write."""
     plan = pool.plan([("a", 5), ("b", 1)])
     x = np.ones((6, DIM), F32)
@@ -437,6 +439,9 @@ def _bad_forward_calls(case, pool, kv):
         ((x, plan, other(head_size=32), 0), ValueError, "kv_cache holds 2 kv heads of 32"),
         ((x, plan, other(dtype=F16), 0), ValueError, "kv_cache holds 2 kv heads of 64 in float16"),
         ((x, plan, other(layout="vllm"), 0), NotImplementedError, "kv_cache.layout='vllm'"),
+        ((x, plan, kv, 0, {"a": x}), ValueError, "context is cross attention's; this layer's attn_type is 'self'"),
+        ((x, plan, other(block_size=32), 0), ValueError, "kv_cache has blocks of 32 tokens; plan's pool has blocks "
+                                                         "of 16"),
     ]
 
 
@@ -447,11 +452,50 @@ def test_a_failed_forward_names_the_argument_and_leaves_the_cache_as_it_was(rope
     pool, kv = cupaged.BlockPool(16, 16), kv_cache(_SIM, case, 16)
     attn.forward(np.ones((3, DIM), F32), pool.plan([("a", 2), ("b", 1)]), kv, 1)
     before = cache_bytes(kv, _SIM)
-    for args, exc, match in _bad_forward_calls(case, pool, kv):
+    for args, exc, match in _bad_forward_calls(pool, kv):
         with pytest.raises(exc, match=match):
             attn.forward(*args)
         after = cache_bytes(kv, _SIM)
         assert all(np.array_equal(b, a) for b, a in zip(before, after)), match
+
+
+HAND_MADE = {  # id: (field, its bad value from the pool's plan)
+    "block_tables-int64": ("block_tables", lambda p: p.block_tables.astype(np.int64)),
+    "seq_lens-int64": ("seq_lens", lambda p: p.seq_lens.astype(np.int64)),
+    "query_start_loc-int64": ("query_start_loc", lambda p: p.query_start_loc.astype(np.int64)),
+    "block_tables-1d": ("block_tables", lambda p: p.block_tables[0]),
+    "query_start_loc-short": ("query_start_loc", lambda p: p.query_start_loc[:-1]),
+    "seq_lens-short": ("seq_lens", lambda p: p.seq_lens[:-1]),
+}
+
+
+@pytest.mark.parametrize("field, bad", HAND_MADE.values(), ids=list(HAND_MADE))
+def test_a_hand_made_plan_is_checked_before_any_write(field, bad):
+    """A BatchPlan made by hand (the layer takes any) with an index array of the wrong dtype or length: an
+    error naming the array before the cache write, as the attention ops check theirs before planning
+    (run_attention itself checks nothing beyond the plan)."""
+    case = C(heads=(8, 2))
+    attn = layer(_SIM, case, weights(np.random.default_rng(14), case))
+    pool, kv = cupaged.BlockPool(16, 16), kv_cache(_SIM, case, 16)
+    plan = pool.plan([("a", 5), ("b", 1)])
+    with pytest.raises((TypeError, ValueError), match=field):
+        attn.forward(np.ones((6, DIM), F32), dataclasses.replace(plan, **{field: bad(plan)}), kv, 0)
+    assert all((b == 0xFF).all() for b in cache_bytes(kv, _SIM)), "the cache was written"
+
+
+@pytest.mark.parametrize("attn_type", ["self", "full", "cross"])
+def test_a_head_dim_the_kernels_lack_is_a_clear_error(attn_type):
+    with pytest.raises(NotImplementedError, match="head_dim=320"):  # past the kernels' largest head size (256)
+        Attention(2, 1, DIM, head_dim=320, attn_type=attn_type)
+
+
+def test_plan_attention_names_a_head_size_past_the_buckets():
+    """Regression: plan_attention raised a bare StopIteration for head sizes past 256 (the layer reached it)."""
+    q = np.ones((3, 2, 320), F32)
+    kv = cupaged.KvView.dense(np.ones((3, 1, 320), F32), np.ones((3, 1, 320), F32))
+    cu = np.array([0, 3], np.int32)
+    with pytest.raises(NotImplementedError, match="head_size=320"):
+        cupaged.plan_attention(q, kv, None, cu, cu)
 
 
 def test_slots_outside_the_cache_are_caught_under_validate(monkeypatch):
@@ -483,8 +527,8 @@ def test_an_empty_step_checks_its_arguments_too():
 
 
 def test_rope_variants_and_options_change_the_reference():
-    """The cases above can tell the options apart: at their positions every RoPE variant, QK-norm and GQA
-    grouping changes the reference output by far more than the float32 tolerance."""
+    """The cases above can tell the options apart: at their positions every RoPE variant (and QK-norm) changes
+    the reference output by far more than the float32 tolerance."""
     rng = np.random.default_rng(13)
     case = C(heads=(8, 2), qk_norm=True)
     w, x = weights(rng, case), rng.standard_normal((80, DIM))

@@ -567,3 +567,102 @@ def test_pool_machine_long_run():
     run.settings = settings(max_examples=2000, stateful_step_count=60, deadline=None,
                             suppress_health_check=list(HealthCheck))
     run.runTest()
+
+
+# -- cached_prefix_len and seq_ids ----------------------------------------------------------------
+
+def test_cached_prefix_len_predicts_num_cached_tokens_and_changes_nothing():
+    """Two pools driven alike, one asked cached_prefix_len before each append: the answer is the append's
+    num_cached_tokens, and the pools stay identical (the lookup touches no LRU order, pin or hash)."""
+    asked, twin = (BlockPool(16, 4, enable_prefix_caching=True) for _ in range(2))
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    for pool in (asked, twin):
+        pool.append("a", token_ids=prompt)
+    steps = [("b", prompt, 8), ("c", prompt[:8], 4),  # exactly 2 blocks: the last token is computed
+             ("d", prompt + [1, 2, 3], 8), ("e", [1] + prompt[1:], 0), ("f", prompt[:3], 0), ("g", [], 0),
+             ("free", "a", None), ("h", prompt, 8),  # cached blocks outlive their sequence
+             ("free", "h", None), ("free", "b", None), ("free", "c", None), ("free", "d", None),
+             ("i", prompt[:4] + [7] * 6, 4)]
+    for seq_id, token_ids, want in steps:
+        if seq_id == "free":
+            for pool in (asked, twin):
+                pool.free(token_ids)
+            continue
+        before = snapshot(asked)
+        assert asked.cached_prefix_len(token_ids) == want
+        assert asked.cached_prefix_len(np.array(token_ids, np.int32)) == want
+        assert snapshot(asked) == before
+        asked.check()
+        for pool in (asked, twin):
+            pool.append(seq_id, token_ids=token_ids)
+        assert asked.num_cached_tokens(seq_id) == want
+        assert snapshot(asked) == snapshot(twin)
+
+
+def test_cached_prefix_len_follows_eviction():
+    pool = BlockPool(6, 2, enable_prefix_caching=True)
+    pool.append("a", token_ids=[1, 2, 3, 4, 5])  # blocks of [1, 2] and [3, 4] cached
+    pool.free("a")
+    assert pool.cached_prefix_len([1, 2, 3, 4, 5]) == 4
+    pool.append("x", 9)  # takes the 3 never-cached free blocks, then evicts a's tail block first
+    assert pool.usage().blocks_cached == 1
+    assert pool.cached_prefix_len([1, 2, 3, 4, 5]) == 2
+    assert pool.cached_prefix_len([3, 4, 5]) == 0  # a block is found by the whole chain before it
+
+
+def test_cached_prefix_len_without_prefix_caching_is_zero():
+    pool = BlockPool(8, 4)
+    pool.append("a", token_ids=list(range(10)))
+    before = snapshot(pool)
+    assert pool.cached_prefix_len(list(range(10))) == 0 and pool.cached_prefix_len([]) == 0
+    assert snapshot(pool) == before
+    pool.append("b", token_ids=list(range(10)))
+    assert pool.num_cached_tokens("b") == 0
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_cached_prefix_len_checks_token_ids(caching):
+    pool = BlockPool(8, 4, enable_prefix_caching=caching)
+    with pytest.raises(ValueError, match="token_ids must be a 1-D sequence"):
+        pool.cached_prefix_len([[1, 2]])
+    with pytest.raises(TypeError, match="token_ids must hold integers"):
+        pool.cached_prefix_len([1.0, 2.0])
+
+
+def test_plan_seq_ids_are_the_batch_order():
+    from cupaged import sim
+    from cupaged.pool import BatchPlan
+
+    pool = BlockPool(16, 4)
+    plan = pool.plan([("b", 2), ("a", 3), (7, 0), ("c", [5, 6])])
+    assert plan.seq_ids == ("b", "a", 7, "c") and isinstance(plan.seq_ids, tuple)
+    assert pool.plan([]).seq_ids == ()
+    device = plan.to_device(sim)
+    assert device is not plan and device.seq_ids == ("b", "a", 7, "c")
+    hand_made = BatchPlan(*(getattr(plan, f) for f in ("query_start_loc", "seq_lens", "block_tables",
+                                                       "slot_mapping", "positions")), 5, 3)
+    assert hand_made.seq_ids is None and hand_made.to_device(sim).seq_ids is None
+    assert plan.block_size == device.block_size == 4 and hand_made.block_size is None
+    assert pool.plan_decode(["b", "a"]).block_size == 4
+
+
+def test_plan_decode_seq_ids_are_a_copy_of_the_ids():
+    from cupaged import sim
+
+    pool = BlockPool(32, 4)
+    for i in (3, 9, 4):
+        pool.append(i, 2)
+    ids = np.array([9, 3, 4])
+    first = pool.plan_decode(ids)
+    assert isinstance(first.seq_ids, np.ndarray) and first.seq_ids.tolist() == [9, 3, 4]
+    ids[:] = [4, 9, 3]  # the caller reuses its array: the plan keeps what it was made of
+    assert first.seq_ids.tolist() == [9, 3, 4]
+    second = pool.plan_decode(ids)
+    assert second.seq_ids.tolist() == [4, 9, 3] and first.seq_ids.tolist() == [9, 3, 4]
+    second.seq_ids[:] = -1  # scribbling on a plan's ids reaches neither the pool nor the next plan
+    third = pool.plan_decode(ids)
+    assert third.seq_ids.tolist() == [4, 9, 3] and third.seq_lens.tolist() == [5, 5, 5]
+    device = third.to_device(sim)
+    assert np.array_equal(device.seq_ids, [4, 9, 3])
+    pool.append("s", 1)
+    assert pool.plan_decode(["s"]).seq_ids.tolist() == ["s"]

@@ -49,7 +49,8 @@ class BatchPlan:
     ``max_query_len`` are the host-side launch hints of docs/conventions.md §6; ``seq_ids`` the
     sequences' ids in batch order (a tuple from ``plan``, the id array from ``plan_decode``; None
     for a plan made by hand), which per-request state such as cross attention's context keys and
-    values is found by. The arrays belong to the caller: no later pool call changes them.
+    values is found by; ``block_size`` the pool's (None for a plan made by hand), which a cache
+    read with the plan must share. The arrays belong to the caller: no later pool call changes them.
     """
 
     query_start_loc: object
@@ -60,6 +61,7 @@ class BatchPlan:
     max_seq_len: int
     max_query_len: int
     seq_ids: object = None
+    block_size: int | None = None
     _staging: PinnedStaging | None = dataclasses.field(default=None, repr=False)  # the pool's
 
     @property

@@ -129,7 +129,7 @@ class BlockPool:
         return BatchPlan(query_start_loc=np.arange(batch.rows.size + 1, dtype=np.int32),
                          seq_lens=batch.lens.astype(np.int32), block_tables=batch.tables.copy(),
                          slot_mapping=slot_mapping, positions=positions, max_seq_len=batch.max_len,
-                         max_query_len=int(batch.rows.size > 0), seq_ids=batch.ids.copy(),
+                         max_query_len=int(batch.rows.size > 0), seq_ids=batch.ids.copy(), block_size=s.block_size,
                          _staging=self._staging)
 
     # -- sharing and freeing ----------------------------------------------------------------
@@ -178,4 +178,4 @@ class BlockPool:
         return BatchPlan(query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
                          block_tables=block_tables, slot_mapping=slot_mapping, positions=positions,
                          max_seq_len=int(seq_lens.max(initial=0)), max_query_len=int(q_lens.max(initial=0)),
-                         seq_ids=seq_ids, _staging=self._staging)
+                         seq_ids=seq_ids, block_size=self.block_size, _staging=self._staging)
