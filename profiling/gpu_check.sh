@@ -8,7 +8,8 @@
 # Phases: probe (GPU, driver, CuPy, NVRTC, the CUDA headers CuPy and cupaged use), install (the wheels
 # of profiling/gpu_check_wheels.py this Python lacks, from DIR, prepared elsewhere with
 # profiling/prepare_gpu_wheels.sh: pip install --no-index --no-deps --target a temp dir; nothing when
-# all import), selftest (python -m cupaged selftest --backend cuda), tests (pytest -m "not slow" -k cuda
+# all import), selftest (python -m cupaged selftest --backend cuda), demo (python -m cupaged demo --verify
+# --backend cuda, then in bfloat16 at 4x the requests), tests (pytest -m "not slow" -k cuda
 # with CUPAGED_REQUIRE_GPU=1 and --backend cuda), bench_* (each profiling/bench_*.py but pool/sim, small
 # sizes, --json), ncu (one decode launch), memcheck and racecheck (compute-sanitizer on
 # profiling/gpu_check_kernels.py). ncu / compute-sanitizer absent or unusable (no permission, device
@@ -48,7 +49,7 @@ for f in profiling/bench_*.py; do
     b=$(basename "$f" .py)
     case "$b" in bench_pool|bench_sim) ;; *) BENCHES+=("$b") ;; esac  # CPU-only benches
 done
-PHASES=(probe install selftest tests "${BENCHES[@]}" ncu memcheck racecheck)
+PHASES=(probe install selftest demo tests "${BENCHES[@]}" ncu memcheck racecheck)
 
 FAILED=0 PASSED=0 SKIPPED=0
 {
@@ -160,6 +161,19 @@ if selected selftest; then
     else record selftest passed 0 "$v"; fi
 else
     record selftest "skipped (--only)" - ""
+fi
+
+# ---- demo: the serving loop on the GPU, teacher-forced against float64 (float32, then bf16 bigger) ----
+if selected demo; then
+    run demo 120 "$PY" -m cupaged demo --verify --backend cuda
+    [ $RC -eq 0 ] && run demo 120 "$PY" -m cupaged demo --verify --backend cuda --dtype bfloat16 --requests 64 \
+        --max-num-seqs 32 --num-blocks 160 --token-budget 256
+    v=$(grep -E '^(tokens/s|verify:)' "$OUT/demo.log" | sed 's/ (tolerance.*: / /; s/ over .* s on the / on the /' | tr '\n' ' ' | tr -s ' ')
+    if [ $TIMED_OUT -eq 1 ]; then record demo FAILED "$RC" "timed out: $(last_line "$OUT/demo.log")"
+    elif [ $RC -ne 0 ] || [ "$(grep -c 'PASS$' "$OUT/demo.log")" -ne 2 ]; then record demo FAILED "$RC" "${v:-$(last_line "$OUT/demo.log")}"
+    else record demo passed 0 "$v"; fi
+else
+    record demo "skipped (--only)" - ""
 fi
 
 # ---- tests: the cuda tests; a "no GPU" skip fails -------------------------------------------------

@@ -16,6 +16,7 @@ import sys
 WHEELS = [
     ("ml_dtypes>=0.5", "ml_dtypes", True, True),
     ("nvtx>=0.2", "nvtx", True, True),
+    ("tqdm>=4.66", "tqdm", True, False),
     ("pytest>=8", "pytest", True, False),
     ("iniconfig", "iniconfig", True, False),
     ("packaging", "packaging", True, False),

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "profiling" / "gpu_check.sh"
 BENCHES = sorted(p.stem for p in (ROOT / "profiling").glob("bench_*.py") if p.stem not in ("bench_pool", "bench_sim"))
-PHASES = ["probe", "install", "selftest", "tests", *BENCHES, "ncu", "memcheck", "racecheck"]
+PHASES = ["probe", "install", "selftest", "demo", "tests", *BENCHES, "ncu", "memcheck", "racecheck"]
 
 
 def test_syntax_and_executable():
