@@ -104,3 +104,21 @@ def test_drop_cached_removes_the_prefix_hits_and_keeps_the_context():
     np.testing.assert_array_equal(trimmed.seq_lens, [10, 12])
     assert trimmed.max_query_len == 2 and trimmed.seq_ids == ("b", "a")
     assert drop_cached(trimmed)[0] is trimmed
+
+
+@pytest.mark.parametrize("seed, blocks, block_size, budget", [(1, 12, 8, 9), (2, 9, 16, 40), (3, 30, 4, 17),
+                                                             (4, 11, 8, 1)])
+def test_other_seeds_pools_and_budgets_serve_every_request_correctly(seed, blocks, block_size, budget, capsys):
+    """Tighter pools (more preemption), other block sizes and budgets (a budget of 1: one token a step)."""
+    args = cli.parser().parse_args([*SMALL, "--backend", "sim", "--seed", str(seed), "--num-blocks", str(blocks),
+                                    "--block-size", str(block_size), "--token-budget", str(budget),
+                                    "--requests", "4", "--max-new-tokens", "5"])
+    engine, weights, config = cli.build(args)
+    wanted = {r.seq_id: r.max_new_tokens for r in engine.waiting} | {4: engine.waiting[1].max_new_tokens}
+    while not engine.done:
+        engine.step()
+        engine.pool.check()
+        assert engine.stats["max_batch_tokens"] <= budget
+    assert {r.seq_id: r.generated for r in engine.finished} == wanted
+    assert engine.pool.usage().blocks_in_use == 0
+    assert cli.verify(engine.finished, weights, config, "float32"), capsys.readouterr().out
