@@ -3,6 +3,8 @@ and at the end teacher-forced against the float64 forward (cupaged.reference.lay
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -83,7 +85,9 @@ def test_verify_fails_on_a_wrong_logit_or_a_wrong_greedy_token(served, capsys):
 
 
 def test_main_prints_the_table_and_verifies(capsys):
+    threads = set(threading.enumerate())
     assert cli.main([*SMALL, "--backend", "sim", "--requests", "3", "--verify"]) == 0
+    assert set(threading.enumerate()) == threads  # no thread left behind (tqdm's monitor) beside later sim launches
     out = capsys.readouterr().out
     for label in ("requests", "tokens generated", "tokens/s", "prefix-cache hit rate", "pool waste",
                   "peak blocks used", "PASS"):

@@ -58,6 +58,13 @@ def _xp(backend):
     return np if backend == "sim" else gpu_module() or np
 
 
+class _Bar(tqdm):
+    """No monitor thread (tqdm's default wakes every 10 s for the life of the bar and longer): a process running
+    sim launches keeps to its own thread."""
+
+    monitor_interval = 0
+
+
 def make_requests(args) -> list[Request]:
     """A shared system prompt, then a user part of random length; request 1 is sampled (temperature 0.8) and
     forked once its prompt is cached into a second, parallel sample; the others are greedy."""
@@ -142,7 +149,7 @@ def main(argv=None) -> int:
     backend = "sim" if engine.model.xp is np else "GPU"
     total = sum(r.max_new_tokens * (1 + (r.fork_as is not None)) for r in engine.waiting)
     start, first = time.perf_counter(), None
-    with tqdm(total=total, unit="tok", desc=f"serving on the {backend}", file=sys.stderr, mininterval=0.5) as bar:
+    with _Bar(total=total, unit="tok", desc=f"serving on the {backend}", file=sys.stderr, mininterval=0.5) as bar:
         while not engine.done:
             bar.update(engine.step())
             first = time.perf_counter() - start if first is None else first
