@@ -22,6 +22,17 @@ CTYPE = {  # numpy dtype -> C++ type in name expressions
 }
 
 
+def float_dtype(name: str, value) -> np.dtype:
+    """``value`` as a numpy dtype of data (float32, float16 or bfloat16); a TypeError naming ``name`` otherwise."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {value!r}") from None
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {dtype}")
+    return dtype
+
+
 def check_ndim(name: str, a, ndim: int, layout: str) -> None:
     if a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(a.shape)}")

@@ -12,7 +12,7 @@ import numpy as np
 
 from cupaged import sim
 from cupaged._cache_args import cache_dtype
-from cupaged._checks import FLOAT_DTYPES, check_choice, check_int
+from cupaged._checks import check_choice, check_int, float_dtype
 from cupaged.pool._batch_plan import resolve_array_module
 
 __all__ = ["KVCache"]
@@ -25,13 +25,7 @@ def _positive(name: str, value) -> int:
 
 
 def _cache_dtype(dtype, kv_cache_dtype) -> np.dtype:
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    return cache_dtype(kv_cache_dtype, dtype)
+    return cache_dtype(kv_cache_dtype, float_dtype("dtype", dtype))
 
 
 class KVCache:

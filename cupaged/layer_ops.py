@@ -100,5 +100,3 @@ class ContextCache:
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self._kv.values())
-
-

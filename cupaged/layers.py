@@ -21,7 +21,7 @@ import numpy as np
 
 from cupaged._attention_args import MAX_HEAD_SIZE, check_tables
 from cupaged._backend import array_module, module_of
-from cupaged._checks import FLOAT_DTYPES, check_bool, check_choice, check_float, check_int
+from cupaged._checks import check_bool, check_choice, check_float, check_int, float_dtype
 from cupaged.attention import KvView, plan_attention, run_attention
 from cupaged.cache_ops import reshape_and_cache_flash
 from cupaged.kv_cache import KVCache
@@ -67,12 +67,7 @@ class Attention:
         if rope is not None and rope.head_dim != self.head_dim:
             raise ValueError(f"rope is for head_dim={rope.head_dim}, the layer's head_dim is {self.head_dim}")
         self.rope = None if attn_type == "cross" else rope
-        try:
-            self.dtype = np.dtype(dtype)
-        except TypeError:
-            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
-        if self.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {self.dtype}")
+        self.dtype = float_dtype("dtype", dtype)
         if self.fuse_qkv and self.context_dim != self.dim:
             raise ValueError(f"fuse_qkv needs context_dim == dim, got context_dim={self.context_dim}, dim={dim}")
         self.k_scale = self.v_scale = 1.0
@@ -150,7 +145,7 @@ class Attention:
         plan = device_plan(plan, xp)
         t = x.shape[0]
         if self.attn_type == "cross":
-            q = linear(x, w["wqkv"][:self.q_size] if self.fuse_qkv else w["wq"]).reshape(t, self.n_heads, -1)
+            q = linear(x, self._qkv_weights()[0]).reshape(t, self.n_heads, self.head_dim)
             k, v, cu_k, max_k, fresh = self._context_kv(plan, kv_cache, layer, context, xp)
         else:
             q, k, v = self._qkv(x)
@@ -177,14 +172,22 @@ class Attention:
 
     __call__ = forward
 
+    def _qkv_weights(self):
+        """(wq, wk, wv): the separate matrices, or views of wqkv's rows."""
+        w = self.weights
+        if not self.fuse_qkv:
+            return w["wq"], w["wk"], w["wv"]
+        qkv, q, kv = w["wqkv"], self.q_size, self.kv_size
+        return qkv[:q], qkv[q:q + kv], qkv[q + kv:]
+
     def _qkv(self, x):
-        t, w = x.shape[0], self.weights
-        if self.fuse_qkv:
-            qkv = linear(x, w["wqkv"])
+        t = x.shape[0]
+        if self.fuse_qkv:  # one GEMM; q, k and v are views of its rows
+            qkv = linear(x, self.weights["wqkv"])
             parts = (qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size],
                      qkv[:, self.q_size + self.kv_size:])
         else:
-            parts = (linear(x, w["wq"]), linear(x, w["wk"]), linear(x, w["wv"]))
+            parts = tuple(linear(x, w) for w in self._qkv_weights())
         heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
         return tuple(p.reshape(t, h, self.head_dim) for p, h in zip(parts, heads))
 
@@ -252,16 +255,12 @@ class Attention:
         return k, v, cu_k, int(lens.max(initial=0)), fresh
 
     def _project_context(self, c):
-        w, n = self.weights, c.shape[0]
-        if self.fuse_qkv:
-            kv = linear(c, w["wqkv"][self.q_size:])
-            k, v = kv[:, :self.kv_size], kv[:, self.kv_size:]
-        else:
-            k, v = linear(c, w["wk"]), linear(c, w["wv"])
-        k = k.reshape(n, self.n_kv_heads, self.head_dim)
+        _, wk, wv = self._qkv_weights()
+        shape = (c.shape[0], self.n_kv_heads, self.head_dim)
+        k, v = linear(c, wk).reshape(shape), linear(c, wv).reshape(shape)
         if self.use_qk_normalization:
-            k = rms_norm(k, w["k_norm"], self.norm_eps)
-        return module_of(k).ascontiguousarray(k), module_of(v).ascontiguousarray(v.reshape(k.shape))
+            k = rms_norm(k, self.weights["k_norm"], self.norm_eps)
+        return k, v
 
 
 def _check_shape(name, w, shape):

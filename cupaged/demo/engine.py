@@ -119,10 +119,10 @@ class Engine:
         while True:
             batch = self._schedule(admit)
             new = [r for r, _ in batch if r not in self.running]
+            chunks = [np.asarray(r.tokens[r.computed:r.computed + n], np.int64) for r, n in batch]
             try:
-                plan = self.pool.plan([(r.seq_id, np.asarray(r.tokens[r.computed:r.computed + n]))
-                                       for r, n in batch])
-                return batch, new, plan
+                plan = self.pool.plan([(r.seq_id, ids) for (r, _), ids in zip(batch, chunks)])
+                return batch, new, plan, np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
             except OutOfBlocks:
                 if new:
                     admit = len(new) - 1
@@ -137,7 +137,7 @@ class Engine:
 
     def step(self) -> int:
         """Run one step; returns the number of tokens generated."""
-        batch, new, plan = self._plan()
+        batch, new, plan, token_ids = self._plan()
         for r in new:
             self.waiting.remove(r)
             self.running.append(r)
@@ -148,9 +148,8 @@ class Engine:
             self.stats["copies"] += copies.shape[0]
         self.stats["hit_tokens"] += int((plan.slot_mapping < 0).sum())
         plan, keep = drop_cached(plan)
-        ids = np.concatenate([np.asarray(r.tokens[r.computed:r.computed + n], np.int64) for r, n in batch])[keep]
         xp = self.model.xp
-        hidden = self.model.forward(xp.asarray(ids), plan, self.kv)
+        hidden = self.model.forward(xp.asarray(token_ids[keep]), plan, self.kv)
         ends = np.asarray(plan.query_start_loc[1:]) - 1
         sampling = [i for i, (r, n) in enumerate(batch) if r.computed + n == len(r.tokens)]
         rows = self.model.logits(hidden[xp.asarray(ends[sampling])]) if sampling else None
@@ -160,9 +159,9 @@ class Engine:
             r.computed += n
         generated = 0
         for row, i in zip(rows if rows is not None else (), sampling):
-            r = batch[i][0]
-            for s in self._fork(r):
-                generated += self._emit(s, row)
+            for r in self._fork(batch[i][0]):
+                self._emit(r, row)
+                generated += 1
         for r in [r for r in self.running if r.generated >= r.max_new_tokens]:
             self.running.remove(r)
             self.pool.free(r.seq_id)
@@ -181,12 +180,11 @@ class Engine:
         self.stats["forks"] += 1
         return [r, child]
 
-    def _emit(self, r: Request, row: np.ndarray) -> int:
+    def _emit(self, r: Request, row: np.ndarray) -> None:
         token = r.sample(row)
         r.logits.append((len(r.tokens) - 1, row.copy(), token))
         r.tokens.append(token)
         self.stats["generated"] += 1
-        return 1
 
     def _account(self, batch, plan):
         s, usage = self.stats, self.pool.usage()

@@ -63,7 +63,9 @@ class TinyDecoder:
 
     def __init__(self, config: DecoderConfig, weights: dict, xp=np, dtype=np.float32):
         self.config, self.xp, self.dtype = config, xp, np.dtype(dtype)
-        put = (lambda a: xp.asarray(a).astype(self.dtype)) if xp is not np else (lambda a: a.astype(self.dtype))
+        def put(a):
+            return xp.asarray(a).astype(self.dtype)
+
         self.w = {k: put(v) for k, v in weights.items() if not k.startswith("layers.") or ".attn." not in k}
         rope = config.rope()  # one object: the layers share its cos / sin cache
         self.layers = []
