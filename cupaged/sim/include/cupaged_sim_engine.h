@@ -739,7 +739,7 @@ static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fi
   return OK;
 }
 
-static int run_launch(const LaunchConfig* cfg) {
+static int run_grid(const LaunchConfig* cfg) {
   memset(&g.err, 0, sizeof g.err);
   g.cur = nullptr;
   g.failed = false;
@@ -818,7 +818,25 @@ static int run_launch(const LaunchConfig* cfg) {
   if (protect_from < kDynSmemCapacity) mprotect(dyn + protect_from, kDynSmemCapacity - protect_from, PROT_READ | PROT_WRITE);
   for (int i = 0; i < 5; ++i) sigaction(kSignals[i], &old_sa[i], nullptr);
   sigaltstack(&old_ss, nullptr);
+  return rc;
+}
+
+// Every pointer the launch lent (the profiler's record, the table of guarded arrays: Python frees
+// them when the call returns; the wrapper's context on its stack) is forgotten on every path out.
+static void end_launch() {
+  CUPAGED_SIM_PROF(prof_launch_end());
+  g_prof = nullptr;
+  g_regions = nullptr;
+  g_nregions = 0;
+  g.smem_size = 0;
+  g.thunk = nullptr;
+  g.thunk_ctx = nullptr;
   g.cur = nullptr;
+}
+
+static int run_launch(const LaunchConfig* cfg) {
+  int rc = run_grid(cfg);
+  end_launch();
   return rc;
 }
 

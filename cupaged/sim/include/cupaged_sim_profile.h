@@ -120,7 +120,7 @@ static ProfSite* g_sites;  // shared memory per site, for the launch
 static size_t g_site_mask, g_site_used;
 struct ProfRange { unsigned long long lo, hi; int arg; };
 static ProfVec<ProfRange> g_ranges;  // the arguments' non-empty ranges, sorted by lo
-static bool g_ranges_disjoint;
+static bool g_ranges_disjoint = true;
 static unsigned long long g_args_lo, g_args_span;  // the hull of the ranges: a quick test for the stack
 
 PROF_FN static void prof_launch_start() {
@@ -150,12 +150,16 @@ PROF_FN static void prof_launch_start() {
   g_prof->site_capacity = g_site_mask + 1;
 }
 
-// The first argument (in parameter order) whose memory holds [a, a + n), or -2.
+// The first argument (in parameter order) whose memory holds [a, a + n), or -2. Reads only the
+// engine's copy of the ranges: the launch's record belongs to Python.
 PROF_FN static int prof_find_arg(uintptr_t a, unsigned n) {
   if (!g_ranges_disjoint) {
-    for (int i = 0; i < g_prof->nargs; ++i)
-      if (a >= g_prof->args[i].lo && a + n <= g_prof->args[i].hi) return i;
-    return -2;
+    int first = -2;
+    for (size_t i = 0; i < g_ranges.size; ++i) {
+      const ProfRange& r = g_ranges.data[i];
+      if (a >= r.lo && a + n <= r.hi && (first < 0 || r.arg < first)) first = r.arg;
+    }
+    return first;
   }
   size_t lo = 0, hi = g_ranges.size;  // the last range starting at or before a
   while (hi - lo > 1) {
@@ -447,6 +451,24 @@ PROF_FN static void prof_block_start(int nthreads) {
     t.plain = t.async = t.peak = t.open_group = 0;
     t.loads = 0;
     t.groups.size = t.groups_head = 0;
+  }
+  g_last.thread = -1;
+}
+
+// The end of a launch, on every path (errors included): nothing may refer to the launch's record,
+// which Python frees when the call returns, and the hooks that run before the next launch sets
+// its own ranges (the engine's code is instrumented too) must find none. A warp's log left by an
+// aborted block is dropped with its hash slots, which would otherwise name instructions past the
+// log's end.
+PROF_FN static void prof_launch_end() {
+  g_prof = nullptr;
+  g_ranges.size = 0;
+  g_ranges_disjoint = true;
+  g_args_lo = g_args_span = 0;
+  for (ProfWarp& w : g_pw) {
+    for (size_t i = 0; i < w.insts.size; ++i) w.slots[w.insts.data[i].slot] = 0;
+    w.log.size = w.insts.size = 0;
+    w.last_epoch = 0;
   }
   g_last.thread = -1;
 }
