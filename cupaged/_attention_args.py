@@ -2,29 +2,41 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from cupaged._backend import array_kind, empty, host_copy, module_of, upload
 from cupaged._cache_args import cache_dtype, check_index
-from cupaged._checks import FLOAT_DTYPES, address, check_choice, check_dtype, check_float, check_last_contiguous, \
-    check_ndim, check_optional_int, element_strides
+from cupaged._checks import FLOAT_DTYPES, address, check_array, check_choice, check_dtype, check_float, \
+    check_last_contiguous, check_ndim, check_optional_int, check_writable, element_strides, float32_value
 
-__all__ = ["check_q", "check_caches", "check_tables", "check_head_vector", "check_out", "check_softcap",
-           "validate_tables", "validate_offsets", "check_hint", "MAX_HEAD_SIZE"]
+__all__ = ["check_q", "check_heads", "check_caches", "check_tables", "check_head_vector", "check_out", "check_written",
+           "softmax_scales", "check_window", "validate_tables", "validate_offsets", "check_hint", "MAX_HEAD_SIZE"]
 
 MAX_HEAD_SIZE = 256
+INT32_MAX = 2**31 - 1
 
 
-def check_q(q, name="q"):
+def check_q(q, name="q", max_head_size=MAX_HEAD_SIZE):
     check_ndim(name, q, 3, "[num_tokens, num_heads, head_size]")
     check_dtype(name, q, FLOAT_DTYPES)
     check_last_contiguous(name, q)
     num_tokens, num_heads, head_size = q.shape
-    if head_size > MAX_HEAD_SIZE:
-        raise NotImplementedError(f"head_size={head_size} ({name}'s last dimension): at most {MAX_HEAD_SIZE} is supported")
+    if head_size > max_head_size:
+        raise NotImplementedError(f"head_size={head_size} ({name}'s last dimension): at most {max_head_size} is "
+                                  f"supported")
     if num_heads == 0 or head_size == 0:
         raise ValueError(f"{name} must have at least one head and head_size >= 1, got shape {tuple(q.shape)}")
     return num_tokens, num_heads, head_size
+
+
+def check_heads(num_heads: int, num_kv_heads: int, q_name: str = "q", kv_name: str = "key_cache") -> None:
+    """GQA: every K/V head serves the same number of query heads."""
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} ({q_name}'s dimension 1) must be a multiple of "
+                         f"num_kv_heads={num_kv_heads} ({kv_name})")
 
 
 def _aligned(a, strides, x) -> bool:
@@ -34,6 +46,9 @@ def _aligned(a, strides, x) -> bool:
 def check_caches(key_cache, value_cache, q, kv_cache_dtype, layout, layouts=("NHD", "HND")):
     """Cache shapes/dtypes for ``layout`` and the kernel's address strides (see paged_attention.cu)."""
     check_choice("layout", layout, layouts)
+    check_q(q)
+    check_array("key_cache", key_cache)
+    check_array("value_cache", value_cache)
     want = cache_dtype(kv_cache_dtype, q.dtype)
     head_size = q.shape[2]
     x = 16 // want.itemsize
@@ -81,14 +96,24 @@ def check_caches(key_cache, value_cache, q, kv_cache_dtype, layout, layouts=("NH
     return dict(kv_heads=kv_heads, block_size=block_size, vec_k=int(vec_k), vec_v=int(vec_v), **k, **v)
 
 
-def check_tables(block_tables, seq_lens, query_start_loc, num_tokens):
-    """Index arrays of a paged-attention call; returns num_seqs."""
-    check_index("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
-    check_index("seq_lens", seq_lens, 1, "[num_seqs]")
-    num_seqs = seq_lens.shape[0]
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables must have num_seqs={num_seqs} rows (seq_lens' length), got "
-                         f"{block_tables.shape[0]}")
+def check_tables(block_tables, seq_lens, query_start_loc, num_tokens, dense=False):
+    """Index arrays of a paged-attention call (``dense`` K/V rows: no block_tables, seq_lens is cu_seqlens_k);
+    returns num_seqs."""
+    if dense:
+        if block_tables is not None:
+            raise ValueError(f"block_tables must be None for dense K/V (KvView.dense), got "
+                             f"{type(block_tables).__name__}")
+        check_index("seq_lens", seq_lens, 1, "[num_seqs + 1] (cu_seqlens_k of dense K/V)")
+        num_seqs = seq_lens.shape[0] - 1
+        if num_seqs < 0:
+            raise ValueError("seq_lens (cu_seqlens_k of dense K/V) must have num_seqs + 1 >= 1 entries, got 0")
+    else:
+        check_index("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+        check_index("seq_lens", seq_lens, 1, "[num_seqs]")
+        num_seqs = seq_lens.shape[0]
+        if block_tables.shape[0] != num_seqs:
+            raise ValueError(f"block_tables must have num_seqs={num_seqs} rows (seq_lens' length), got "
+                             f"{block_tables.shape[0]}")
     if query_start_loc is None:
         if num_tokens != num_seqs:
             raise ValueError(f"without query_start_loc (decode) q must have one token per sequence: "
@@ -120,26 +145,68 @@ def check_head_vector(name, a, num_heads, xp):
 
 
 def check_out(out, like, name, shape=None):
-    """``out`` given: the expected shape and dtype, last dimension contiguous; else a new array."""
+    """``out`` given: written as :func:`check_written` says, of ``like``'s dtype; else a new array."""
     shape = tuple(like.shape) if shape is None else tuple(shape)
     if out is None:
         return empty(module_of(like), shape, like.dtype)
-    if tuple(out.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
-    if out.dtype != like.dtype:
-        raise TypeError(f"{name} must have dtype {like.dtype}, got {out.dtype}")
-    check_last_contiguous(name, out)
+    check_written(name, out, shape, like.dtype)
     return out
 
 
-def check_softcap(softcap) -> float | None:
-    """None or 0 (FlashAttention's and vLLM's "off"): no soft-capping; else a finite float > 0."""
-    if softcap is None:
-        return None
-    value = check_float("softcap", softcap)
-    if value < 0:
-        raise ValueError(f"softcap must be None, 0 (off) or > 0, got {softcap}")
-    return value or None
+def check_written(name, a, shape, dtype, contiguous=False) -> None:
+    """An array an op writes: ``shape``, ``dtype``, writable, contiguous in its last dimension (in every one with
+    ``contiguous``: the kernels index it as dense)."""
+    try:
+        got = a.shape
+    except AttributeError:
+        raise TypeError(f"{name} must be a numpy or cupy array of shape {shape}, got {type(a).__name__}") from None
+    if got != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(got)}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {a.dtype}")
+    if not contiguous:
+        check_last_contiguous(name, a)
+    elif not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be contiguous (C order), got strides {tuple(a.strides)}")
+    check_writable(name, a)
+
+
+LOG2E = float32_value(math.log2(math.e))
+_FOLDED_MAX = float(np.finfo(np.float32).max) / LOG2E
+_SCALAR_TYPES = frozenset({float, int, type(None), np.float64, np.float32, np.float16})
+
+
+def softmax_scales(scale, softcap=None, head_size=None) -> tuple[float, float | None]:
+    """(scale, softcap or None: off) as the attention kernels take them. ``scale`` None: 1/sqrt(head_size) (required
+    when head_size is None). Each must be a finite positive float32 that stays finite with log2(e) folded in (the
+    kernels' exp2), and scale / softcap too (softcap divides the logits); softcap None or 0 is off (FlashAttention's
+    and vLLM's). Memoized per value: the hot path (run_attention) pays a dictionary lookup."""
+    if type(scale) in _SCALAR_TYPES and type(softcap) in _SCALAR_TYPES:
+        return _softmax_scales(scale, softcap, head_size)
+    return _softmax_scales.__wrapped__(scale, softcap, head_size)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: 1 and True (rejected) are different keys
+def _softmax_scales(scale, softcap, head_size):
+    scale = 1.0 / math.sqrt(head_size) if scale is None and head_size is not None else _folded("scale", scale)
+    if softcap is None or check_float("softcap", softcap) == 0:
+        return scale, None
+    softcap = _folded("softcap", softcap)
+    if not math.isfinite(float32_value(float32_value(scale) / float32_value(softcap))):
+        raise ValueError(f"scale / softcap must be finite as a float32 (the kernels divide the scaled logits by "
+                         f"softcap), got scale={scale} / softcap={softcap}")
+    return scale, softcap
+
+
+def _folded(name: str, value) -> float:
+    """A positive float whose float32 is neither 0 nor, times log2(e), infinite."""
+    value = check_float(name, value)
+    rounded = float32_value(value)
+    if value <= 0 or rounded == 0 or not math.isfinite(float32_value(rounded * LOG2E)):
+        off = "; None or 0 turns it off" if name == "softcap" else ""
+        raise ValueError(f"{name} must be a positive float32 in [1.4e-45, {_FOLDED_MAX:.4g}] (the kernels fold log2(e) "
+                         f"into it{off}), got {value}")
+    return value
 
 
 def check_window(sliding_window, window_size, causal) -> tuple[int, tuple[int, int] | None]:
@@ -152,11 +219,13 @@ def check_window(sliding_window, window_size, causal) -> tuple[int, tuple[int, i
         return window, None
     try:
         left, right = window_size
-        ok = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= -1 for x in (left, right))
+        ok = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and -1 <= x <= INT32_MAX
+                 for x in (left, right))
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise ValueError(f"window_size must be (left, right), two ints >= -1 (-1: unbounded), got {window_size!r}")
+        raise ValueError(f"window_size must be (left, right), two ints in [-1, {INT32_MAX}] (-1: unbounded), got "
+                         f"{window_size!r}")
     if window:
         raise ValueError(f"give sliding_window={sliding_window} or window_size={tuple(window_size)}, not both")
     return 0, (int(left), int(right))

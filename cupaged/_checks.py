@@ -7,13 +7,16 @@ import functools
 import math
 import numbers
 import os
+import struct
 
 import ml_dtypes
 import numpy as np
 
+from cupaged._backend import is_device_array
+
 __all__ = ["CTYPE", "FLOAT_DTYPES", "check_ndim", "check_dtype", "check_last_contiguous",
            "element_strides", "int64s", "address", "validate_enabled", "check_choice", "check_int", "check_optional_int",
-           "check_bool", "check_float", "check_writable"]
+           "check_bool", "check_float", "float32_value", "check_writable", "check_array"]
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 CTYPE = {  # numpy dtype -> C++ type in name expressions
@@ -33,8 +36,19 @@ def float_dtype(name: str, value) -> np.dtype:
     return dtype
 
 
+def check_array(name: str, a) -> None:
+    """A numpy or cupy array: anything else (None, a list) is a TypeError naming ``name``."""
+    if not isinstance(a, np.ndarray) and not is_device_array(a):
+        raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
+
+
 def check_ndim(name: str, a, ndim: int, layout: str) -> None:
-    if a.ndim != ndim:
+    """``ndim`` dimensions; not an array at all (None, a list) is a TypeError naming ``name``."""
+    try:
+        got = a.ndim
+    except AttributeError:  # free when it is an array: the common call pays nothing for the TypeError
+        raise TypeError(f"{name} must be a numpy or cupy array {layout}, got {type(a).__name__}") from None
+    if got != ndim:
         raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(a.shape)}")
 
 
@@ -47,7 +61,7 @@ def check_dtype(name: str, a, allowed) -> None:
 
 
 def check_last_contiguous(name: str, a) -> None:
-    if a.size and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+    if a.strides[-1] != a.itemsize and a.size and a.shape[-1] > 1:  # the common, contiguous case: one test
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(a.strides)} "
                          f"for itemsize {a.itemsize}")
 
@@ -109,9 +123,11 @@ def check_optional_int(name: str, value, minimum: int, maximum: int = 2**31 - 1)
     return None if value is None else check_int(name, value, minimum, maximum)
 
 
-def check_bool(name: str, value) -> bool:
-    """A bool (numpy's too; 0 and 1 pass as False and True)."""
-    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+def check_bool(name: str, value, *, strict: bool = False) -> bool:
+    """A bool (numpy's too; 0 and 1 pass as False and True unless ``strict``)."""
+    if value is True or value is False:  # the common call, first: run_attention pays this per layer
+        return value
+    if isinstance(value, (bool, np.bool_)) or (not strict and isinstance(value, (int, np.integer)) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
@@ -124,6 +140,17 @@ def check_float(name: str, value, *, positive: bool = False) -> float:
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be a finite{' positive' if positive else ''} float, got {value}")
     return value
+
+
+_FLOAT32 = struct.Struct("f")
+
+
+def float32_value(value: float) -> float:
+    """``value`` rounded to float32 (to nearest even, as a kernel's float parameter holds it); inf past its range."""
+    try:
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def check_writable(name: str, a) -> None:

@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from cupaged._attention_args import _aligned, check_caches
-from cupaged._checks import address, element_strides
+import numpy as np
+
+from cupaged._attention_args import MAX_HEAD_SIZE, _aligned, check_caches
+from cupaged._cache_args import cache_dtype
+from cupaged._checks import FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
+    element_strides
 from cupaged._interop import accepts_foreign_arrays, passes_as_is
 
 __all__ = ["KvView", "kv_key"]
@@ -88,6 +92,22 @@ class KvView:
     @accepts_foreign_arrays
     def dense(cls, k, v):
         """Varlen token rows: k ``[total_k, num_kv_heads, head_size]``, v ``[..., v_head_size]``."""
+        check_ndim("k", k, 3, "[total_k, num_kv_heads, head_size]")
+        check_ndim("v", v, 3, "[total_k, num_kv_heads, v_head_size]")
+        check_dtype("k", k, FLOAT_DTYPES)
+        if v.dtype != k.dtype:
+            raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
+        if v.shape[:2] != k.shape[:2]:
+            raise ValueError(f"v must be [{k.shape[0]}, {k.shape[1]}, v_head_size] like k, got {tuple(v.shape)}")
+        if 0 in k.shape[1:] or v.shape[2] == 0:
+            raise ValueError(f"k and v must have num_kv_heads >= 1 and head sizes >= 1, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        for arg, name, size in (("k", "head_size", k.shape[2]), ("v", "v_head_size", v.shape[2])):
+            if size > MAX_HEAD_SIZE:
+                raise NotImplementedError(f"{name}={size} ({arg}'s last dimension): at most {MAX_HEAD_SIZE} is "
+                                          f"supported")
+        check_last_contiguous("k", k)
+        check_last_contiguous("v", v)
         ks, vs = element_strides("k", k), element_strides("v", v)
         x = 16 // k.itemsize
         vec_k, vec_v = _aligned(k, ks[:2], x), _aligned(v, vs[:2], x)
@@ -100,6 +120,13 @@ class KvView:
     def mla(cls, kv_cache, kv_lora_rank, kv_cache_dtype="auto"):
         """A latent cache ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: the key is the whole row,
         the value its first ``kv_lora_rank`` entries (one head shared by every query head)."""
+        check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
+        fp8 = cache_dtype(kv_cache_dtype, np.float16) == np.uint8  # and kv_cache_dtype one of the choices
+        check_dtype("kv_cache", kv_cache, (np.uint8,) if fp8 else FLOAT_DTYPES)
+        if kv_cache.shape[1] == 0:
+            raise ValueError(f"kv_cache must have block_size >= 1, got shape {tuple(kv_cache.shape)}")
+        kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, 1, kv_cache.shape[2])
+        check_last_contiguous("kv_cache", kv_cache)
         s = element_strides("kv_cache", kv_cache)
         x = 16 // kv_cache.itemsize
         vec = _aligned(kv_cache, s[:2], x)

@@ -1,8 +1,9 @@
 """The attention engine over kernels_cu/paged_attention.cu: describe the K/V (:class:`KvView`), plan
 once per batch (:func:`plan_attention`, pure host: tiles, splits, partial buffers, grid), run every
-layer with that plan (:func:`run_attention`, launches only). Every attention op (paged_attention,
-paged_attention_v1/v2, varlen_attention, mla_decode, mla_chunked_prefill) validates its arguments,
-then plans and runs.
+layer with that plan (:func:`run_attention`, launches after its per-call checks). Both check their
+arguments (shapes, dtypes, flags, finite scales; never the contents of an array). Every attention op
+(paged_attention, paged_attention_v1/v2, varlen_attention, mla_decode, mla_chunked_prefill) validates
+its arguments with the same checks (cupaged/_attention_args.py), then plans (:func:`plan_checked`) and runs.
 
 The kernel's constants and its parameter struct are read from the ``.cu`` source (cupaged/_mirror.py),
 the one owner of both; cupaged/_attention_kernels.py names the kernels and their shared memory.
@@ -11,20 +12,20 @@ the one owner of both; cupaged/_attention_kernels.py names the kernels and their
 from __future__ import annotations
 
 import functools
-import math
 import operator
 
 import numpy as np
 
 from cupaged._annotate import _OFF, declare_launch, op_range
-from cupaged._attention_kernels import (ALL_ROWS, FAMILY, HEAD_BUCKETS, MLA_BUCKET, decode_route, kernel_constants,
-                                       prefill_route, reduce_kernel, resident_ctas)
+from cupaged._attention_args import (MAX_HEAD_SIZE, check_heads, check_q, check_tables, check_window, check_written,
+                                    softmax_scales)
+from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, kernel_constants
 from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, sm_shared_bytes, struct_arg
-from cupaged._cache_args import KV_CODE, kv_dtype_name, kv_scale_args
-from cupaged._checks import CTYPE, element_strides
+from cupaged._cache_args import kv_dtype_name, kv_scale_args
+from cupaged._checks import CTYPE, check_bool, check_last_contiguous, check_optional_int, element_strides
 from cupaged._cost import attention_cost
-from cupaged._kv_view import KvView, kv_key
-from cupaged._plan import AttentionPlan, carve_workspace, workspace_bytes
+from cupaged._kv_view import KvView
+from cupaged._plan import AttentionPlan, carve_workspace, make_plan, workspace_bytes
 from cupaged._interop import accepts_foreign_arrays
 from cupaged._mirror import struct_dtype
 
@@ -52,93 +53,47 @@ def _packed_params(values: tuple) -> np.ndarray:
     return np.array(values, _params_packer()[0])
 
 
-MIN_SPLIT = 256  # keys: contexts up to this are never split
-
-
-def split_for(sms: int, per_sm: int, ctas: int, max_kv: int) -> int:
-    """kv_split_size=None for a grid of ``ctas`` CTAs of which ``per_sm`` fit on an SM (0 = no split), chosen from
-    the batch's shape, so only a fixed kv_split_size is batch-invariant. A grid that fills >= 90% of a wave (SMs x
-    resident CTAs) keeps the SMs at their occupancy and is not split (a split would only add the merge's traffic
-    and launch). A smaller one splits contexts longer than MIN_SPLIT into >= 2 full waves: the fewest splits whose
-    last wave is >= 90% full (a thin last wave is a latency-bound tail), else the fullest within twice the fewest."""
-    wave = sms * max(per_sm, 1)
-    if ctas >= 0.9 * wave or max_kv <= MIN_SPLIT:
-        return 0
-    ctas = max(ctas, 1)
-    fewest = math.ceil(2 * wave / ctas)
-
-    def fill(splits):  # the grid's CTAs over the waves they take
-        n = ctas * math.ceil(max_kv / max(MIN_SPLIT, math.ceil(max_kv / splits)))
-        return n / (math.ceil(n / wave) * wave)
-
-    candidates = range(fewest, 2 * fewest + 1)
-    splits = next((n for n in candidates if fill(n) >= 0.9), max(candidates, key=fill))
-    size = max(MIN_SPLIT, math.ceil(max_kv / splits))
-    return 0 if size >= max_kv else size
-
-
 @accepts_foreign_arrays
 def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None,
                    max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
     """Plan attention of ``q`` over ``kv``; only the shapes of the index arrays are used (dense K/V:
     ``block_tables`` None and ``seq_lens`` = cu_seqlens_k). ``kv_split_size``: None chooses from the
     shape, 0 never splits, n splits every n keys; ``max_splits`` fixes the partial depth (vLLM v2).
-    Memoized on what it reads, so planning a batch shape seen before costs a dictionary lookup."""
-    return _plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
-                 kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
-                 query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
-                 (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decode_layout, kv.prefill_rows)
+    Every argument is checked (shapes, dtypes, hints; never the contents); planning a batch shape seen before
+    then costs a dictionary lookup."""
+    _check_plan_arrays(q, kv, block_tables, seq_lens, query_start_loc)
+    return plan_checked(q, kv, block_tables, seq_lens, query_start_loc,
+                        max_query_len=check_optional_int("max_query_len", max_query_len, 0),
+                        max_seq_len=check_optional_int("max_seq_len", max_seq_len, 0),
+                        kv_split_size=check_optional_int("kv_split_size", kv_split_size, 0),
+                        max_splits=check_optional_int("max_splits", max_splits, 1),
+                        always_partials=check_bool("always_partials", always_partials, strict=True))
 
 
-@functools.lru_cache(maxsize=1024)
-def _plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, block_size, table_width, index_len,
-          decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, device,
-          decode_layout, prefill_rows) -> AttentionPlan:
-    num_tokens, num_heads, head_size = q_shape
-    dense = table_width is None
-    num_seqs = index_len - (1 if dense else 0)
-    consts = kernel_constants()
-    group = num_heads // num_kv_heads
-    max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
-    t, kv = CTYPE[q_dtype], KV_CODE[kv_cache_dtype]
-    shared = kind == "mla"
-    hd = MLA_BUCKET[0] if shared else next((b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)), None)
-    if hd is None:
-        raise NotImplementedError(f"head_size={max(head_size, v_head_size)}: at most {HEAD_BUCKETS[-1]} is supported")
-    cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
-    sms, sm_shared = device
-    # A decode kernel takes the short query runs, or every run (decode_max_q ALL_ROWS: float32, vLLM's layout, MLA,
-    # or a hint saying every run is short); the tensor-core prefill kernel takes the longer ones.
-    route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, decode_layout, sm_shared)
-    if route is None:
-        raise NotImplementedError(f"q dtype {q_dtype}: attention over an MLA latent cache takes float16 or bfloat16 q "
-                                  f"(mla_decode_kernel runs on tensor cores)")
-    decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route
-    decode_regs = 255 if kind == "mla" else 128  # the kernels' __launch_bounds__
-    prefill = None if decode_max_q == ALL_ROWS else prefill_route(kind, q_dtype, t, kv, head_size, v_head_size,
-                                                                  prefill_rows)
-    assert decode_max_q == ALL_ROWS or prefill, "a run no kernel takes"  # 16-bit q over rows: the prefill kernel's
-    tiles = -(-max_q * group // prefill[2]) if prefill else 0
-    max_kv = max_seq_len or (table_width * block_size if not dense else 0)
-    if prefill:  # its CTAs do the bulk of the work: its occupancy (255 registers, its shared memory)
-        ctas, per_sm = num_seqs * num_kv_heads * tiles, resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared, 255)
-    else:  # the decode kernel alone: its occupancy (its registers and shared memory)
-        ctas = num_seqs * num_kv_heads * decode_tiles
-        per_sm = resident_ctas(decode_threads, decode_smem, sm_shared, decode_regs)
-    split = split_for(sms, per_sm, ctas, max_kv) if kv_split_size is None else kv_split_size
-    if max_splits is None:
-        max_splits = max(1, -(-max_kv // split)) if split else 1
-    split = split if max_splits > 1 else 0
-    return AttentionPlan(
-        op="mla_decode" if shared else "decode" if decode else "prefill", num_tokens=num_tokens, num_heads=num_heads,
-        num_seqs=num_seqs, num_kv_heads=num_kv_heads, head_size=head_size, v_head_size=v_head_size, dtype=t,
-        kv=kv_key(kind, kv_cache_dtype, block_size), tiles=tiles, kv_split_size=split, max_splits=max_splits,
-        always_partials=always_partials, grid=(tiles * max_splits, num_kv_heads, num_seqs),
-        threads=consts["PA_THREADS"], shared_mem=prefill[1] if prefill else 0, kernel=prefill[0] if prefill else None,
-        reduce_kernel=reduce_kernel(t) if max_splits > 1 and split > 0 else None,
-        decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
-        decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),
-        decode_tiles=decode_tiles, decode_max_q=decode_max_q, decode_layout=decode_layout if decode_kernel else None)
+def plan_checked(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None, max_seq_len=None,
+                 kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
+    """plan_attention of arguments the caller has checked with the same checks (the ops: validate, plan, run)."""
+    return make_plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
+                     kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
+                     query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
+                     (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decode_layout, kv.prefill_rows)
+
+
+def _check_kv(kv) -> None:
+    if not isinstance(kv, KvView):
+        raise TypeError(f"kv must be a KvView (KvView.paged, .dense or .mla), got {type(kv).__name__}")
+
+
+def _check_plan_arrays(q, kv, block_tables, seq_lens, query_start_loc) -> None:
+    """q against kv (head size, dtype, GQA heads) and the index arrays' shapes and dtypes."""
+    _check_kv(kv)
+    num_tokens, num_heads, head_size = check_q(q, max_head_size=MLA_BUCKET[0] if kv.kind == "mla" else MAX_HEAD_SIZE)
+    if head_size != kv.head_size:
+        raise ValueError(f"q's head size {head_size} must equal kv's {kv.head_size}")
+    if kv.kv_cache_dtype == "auto" and q.dtype != kv.key.dtype:
+        raise TypeError(f"q must have dtype {kv.key.dtype} (kv's), got {q.dtype}")
+    check_heads(num_heads, kv.num_kv_heads, "q", "kv")
+    check_tables(block_tables, seq_lens, query_start_loc, num_tokens, dense=kv.kind == "dense")
 
 
 def window_bounds(causal, sliding_window=None, window_size=None) -> tuple[int, int]:
@@ -183,9 +138,17 @@ def _block_shift(block_size: int) -> int:
     return n.bit_length() - 1 if n & (n - 1) == 0 else -1
 
 
-def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
+def _check_run(plan: AttentionPlan, q, kv: KvView, out, lse, partials) -> None:
+    """run_attention's checks, cheap enough for every call: the plan, q and kv against it, and the buffers it writes
+    (shape, dtype, contiguity, writable)."""
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan (from plan_attention), got {type(plan).__name__}")
+    _check_kv(kv)
     want = (plan.num_tokens, plan.num_heads, plan.head_size, plan.dtype, plan.num_kv_heads, plan.v_head_size, plan.kv)
-    got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
+    try:
+        got = (*q.shape, CTYPE.get(q.dtype), kv.num_kv_heads, kv.v_head_size, kv.key_id)
+    except AttributeError:
+        raise TypeError(f"q must be a numpy or cupy array, got {type(q).__name__}") from None
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
     if plan.kernel is not None and not kv.prefill_rows:
@@ -194,21 +157,36 @@ def _check_plan(plan: AttentionPlan, q, kv: KvView) -> None:
     if plan.decode_kernel is not None and kv.decode_layout != plan.decode_layout:
         raise ValueError(f"run_attention: the plan's decode kernel reads K/V laid out as {plan.decode_layout!r}; "
                          f"this kv's are {kv.decode_layout!r}: plan with this kv")
+    check_last_contiguous("q", q)
+    check_written("out", out, (plan.num_tokens, plan.num_heads, plan.v_head_size), q.dtype)
+    if lse is not None:
+        check_written("lse", lse, (plan.num_heads, plan.num_tokens), np.float32, contiguous=True)
+    if partials is not None and plan.partial_shapes is not None:
+        if not isinstance(partials, (tuple, list)) or len(partials) != 3:
+            raise TypeError(f"partials must be (max_logits, exp_sums, tmp_output), got {type(partials).__name__}")
+        for name, a, shape in zip(("max_logits", "exp_sums", "tmp_output"), partials, plan.partial_shapes):
+            in_q_type = name == "tmp_output" and getattr(a, "dtype", None) == q.dtype  # vLLM v2's tmp_output
+            check_written(f"partials' {name}", a, shape, q.dtype if in_q_type else np.float32, contiguous=True)
 
 
 @accepts_foreign_arrays
 def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, seq_lens, query_start_loc=None, *,
                   scale=None, causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None,
                   softcap=None, k_scale=1.0, v_scale=1.0, partials=None, seqused_k=None):
-    """Launch ``plan`` (the main kernel, then the split merge when it splits); returns ``out``. Arguments
-    are not validated beyond matching the plan: the ops do that before planning. ``lse``: float32
+    """Launch ``plan`` (the main kernel, then the split merge when it splits); returns ``out``. ``lse``: float32
     ``[num_heads, num_tokens]`` or None; ``partials``: (max_logits, exp_sums, tmp_output) of
     ``plan.partial_shapes`` (allocated when None). Visible keys: ``sliding_window`` W (the W most recent) or
     ``window_size`` (left, right) around a query's position, -1 unbounded, and causal caps the right side at 0;
-    ``seqused_k`` (dense K/V): int32 ``[num_seqs]`` keys used of each sequence's rows."""
-    _check_plan(plan, q, kv)
+    ``seqused_k`` (dense K/V): int32 ``[num_seqs]`` keys used of each sequence's rows.
+    Checked on every call, at a host cost of a few µs: the plan, q and kv against it, out / lse / partials (shape,
+    dtype, contiguity, writable), scale and softcap (softmax_scales), causal, the window. The index arrays, sinks,
+    alibi_slopes and every array's contents are the caller's: the ops validate them before planning."""
+    _check_run(plan, q, kv, out, lse, partials)
+    causal = check_bool("causal", causal, strict=True)
+    scale, softcap = softmax_scales(scale, softcap, plan.head_size)
+    if sliding_window or window_size is not None:
+        sliding_window, window_size = check_window(sliding_window, window_size, causal)
     xp = module_of(q)
-    scale = 1.0 / math.sqrt(plan.head_size) if scale is None else scale
     if kv.kv_cache_dtype == "auto":  # a cache of the data's own type ignores the scales
         k_ptr = v_ptr = None
         ksv = vsv = 1.0

@@ -8,12 +8,14 @@ import math
 import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays, as_native
-from cupaged._attention_args import check_out, check_q, check_tables, validate_offsets, validate_tables
+from cupaged._attention_args import (check_heads, check_out, check_q, check_tables, softmax_scales, validate_offsets,
+                                    validate_tables)
 from cupaged._cache_args import cache_dtype, check_index, check_scale_values, scale_args
-from cupaged._checks import check_bool, check_float, check_int, check_last_contiguous, check_ndim, \
-    check_optional_int, check_writable, validate_enabled
+from cupaged._checks import check_bool, check_int, check_last_contiguous, check_ndim, check_optional_int, \
+    check_writable, validate_enabled
 from cupaged._backend import array_kind, array_module, empty, host_copy, module_of, upload
-from cupaged.attention import MLA_BUCKET, KvView, carve_workspace, plan_attention, run_attention
+from cupaged._plan import check_workspace
+from cupaged.attention import MLA_BUCKET, KvView, carve_workspace, plan_checked, run_attention
 from cupaged.cache_gather import gather_and_maybe_dequant_cache
 from cupaged.merge_attn_states import merge_attn_states
 
@@ -40,7 +42,7 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
         raise TypeError("mla_decode needs scale=: the softmax scale of the model's un-absorbed heads, "
                         "1/sqrt(qk_nope_head_dim + qk_rope_head_dim) (e.g. 1/sqrt(192) for DeepSeek-V3), "
                         "not 1/sqrt of the latent row's size")
-    scale = check_float("scale", scale)
+    scale, _ = softmax_scales(scale)
     check_ndim("q", q, 3, "[num_seqs, num_heads, kv_lora_rank + rope_dim]")
     num_seqs, num_heads, head_size = q.shape
     kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, 1)
@@ -50,7 +52,7 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
     if head_size > MLA_BUCKET[0] or kv_lora_rank > MLA_BUCKET[1]:
         raise NotImplementedError(f"kv_lora_rank={kv_lora_rank} with q's head size {head_size}: MLA decode supports "
                                   f"latent rows up to {MLA_BUCKET[0]} and kv_lora_rank up to {MLA_BUCKET[1]}")
-    check_q(q[:, :, :1])  # dtype, contiguity, head count
+    check_q(q, max_head_size=MLA_BUCKET[0])
     check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
     want = cache_dtype(kv_cache_dtype, q.dtype)
     if kv_cache.dtype != want:
@@ -67,8 +69,7 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
     kv_split_size = check_optional_int("kv_split_size", kv_split_size, 1)
     max_seq_len = check_optional_int("max_seq_len", max_seq_len, 0)
     return_lse = check_bool("return_lse", return_lse)
-    check_writable("out", out)
-    check_writable("workspace", workspace)
+    check_workspace(workspace)
     out = check_out(out, q, "out", shape=(num_seqs, num_heads, kv_lora_rank))
     lse = empty(xp, (num_heads, num_seqs), np.float32) if return_lse else None
     if validate_enabled(validate):
@@ -78,7 +79,7 @@ def mla_decode(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank=512, scale=N
     if num_seqs == 0:
         return (out, lse) if return_lse else out
     kv = KvView.mla(kv_cache, kv_lora_rank, kv_cache_dtype)
-    plan = plan_attention(q, kv, block_tables, seq_lens, max_seq_len=max_seq_len, kv_split_size=kv_split_size)
+    plan = plan_checked(q, kv, block_tables, seq_lens, max_seq_len=max_seq_len, kv_split_size=kv_split_size)
     run_attention(plan, q, kv, out, lse, block_tables, seq_lens, scale=scale, k_scale=k_scale, v_scale=k_scale,
                   partials=carve_workspace(workspace, plan))
     return (out, lse) if return_lse else out
@@ -152,8 +153,7 @@ def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqle
         raise ValueError(f"k_new must be [{total_q}, num_kv_heads, {qk_head_size}] and v_new [{total_q}, num_kv_heads, "
                          f"v_head_size], got {tuple(k_new.shape)} and {tuple(v_new.shape)}")
     num_kv_heads, v_head_size = k_new.shape[1], v_new.shape[2]
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} (q) must be a multiple of num_kv_heads={num_kv_heads} (k_new)")
+    check_heads(num_heads, num_kv_heads, "q", "k_new")
     check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, latent]")
     want = cache_dtype(kv_cache_dtype, q.dtype)
     if kv_cache.dtype != want:
@@ -183,8 +183,7 @@ def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqle
     if not callable(up_proj):
         raise TypeError(f"up_proj must be a callable latent_rows -> (k, v), got {type(up_proj).__name__}")
     check_int("workspace_tokens", workspace_tokens, 1)
-    if scale is not None:
-        check_float("scale", scale)
+    softmax_scales(scale, None, qk_head_size)  # now: the first chunk's gather launches before run_attention sees it
     scale_args("k_scale", k_scale, xp, kv_cache_dtype, None)
     if workspace is not None:
         check_writable("workspace", workspace)
@@ -192,7 +191,6 @@ def _check_chunked_prefill(xp, q, k_new, v_new, kv_cache, block_tables, cu_seqle
             raise ValueError(f"workspace must be [workspace_tokens >= 1, {latent}] of q's dtype {q.dtype}, got "
                              f"{workspace.dtype} {tuple(workspace.shape)}")
         check_last_contiguous("workspace", workspace)
-    check_writable("out", out)
     if out is not None:
         check_out(out, q, "out", shape=(total_q, num_heads, v_head_size))
     if validate_enabled(validate):
@@ -268,7 +266,7 @@ def _attend(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, max_seqlen_k, scale, ou
             lse[...] = -np.inf
         return partials
     kv = KvView.dense(k, v)
-    plan = plan_attention(q, kv, None, cu_seqlens_k, cu_seqlens_q, max_seq_len=max_seqlen_k)
+    plan = plan_checked(q, kv, None, cu_seqlens_k, cu_seqlens_q, max_seq_len=max_seqlen_k)
     if plan.partial_shapes is not None and (partials is None or partials.size < plan.workspace_bytes):
         partials = empty(module_of(q), (plan.workspace_bytes,), np.uint8)
     run_attention(plan, q, kv, out, lse, None, cu_seqlens_k, cu_seqlens_q, scale=scale, causal=causal,

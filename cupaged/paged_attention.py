@@ -4,17 +4,16 @@ Validate, plan, run: the engine is cupaged/attention.py."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays
-from cupaged._attention_args import (check_head_vector, check_out, check_q, check_softcap, check_tables, check_window,
-                                    validate_tables)
+from cupaged._attention_args import (check_head_vector, check_heads, check_out, check_q, check_tables, check_window,
+                                    softmax_scales, validate_tables)
 from cupaged._cache_args import check_scale_values, kv_scale_args
-from cupaged._checks import check_bool, check_choice, check_float, check_optional_int, check_writable, validate_enabled
+from cupaged._checks import check_bool, check_choice, check_optional_int, validate_enabled
 from cupaged._backend import array_module, empty
-from cupaged.attention import FAMILY, HEAD_BUCKETS, KvView, carve_workspace, plan_attention, run_attention, workspace_bytes
+from cupaged._plan import check_workspace
+from cupaged.attention import FAMILY, HEAD_BUCKETS, KvView, carve_workspace, plan_checked, run_attention, workspace_bytes
 
 __all__ = ["paged_attention", "workspace_bytes", "HEAD_BUCKETS", "FAMILY"]
 
@@ -39,22 +38,18 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     num_tokens, num_heads, head_size = check_q(q)
     check_choice("layout", layout, ("NHD", "HND"))  # vLLM's layout is paged_attention_v1/v2's
     kv = KvView.paged(key_cache, value_cache, q, kv_cache_dtype, layout)
-    if num_heads % kv.num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} (q's dimension 1) must be a multiple of "
-                         f"num_kv_heads={kv.num_kv_heads}")
+    check_heads(num_heads, kv.num_kv_heads)
     check_tables(block_tables, seq_lens, query_start_loc, num_tokens)
-    causal, return_lse = check_bool("causal", causal), check_bool("return_lse", return_lse)
+    causal, return_lse = check_bool("causal", causal, strict=True), check_bool("return_lse", return_lse)
     window, window_size = check_window(sliding_window, window_size, causal)
-    softcap = check_softcap(softcap)
+    scale, softcap = softmax_scales(scale, softcap, head_size)
     sinks = check_head_vector("sinks", sinks, num_heads, xp)
     alibi = check_head_vector("alibi_slopes", alibi_slopes, num_heads, xp)
-    scale = 1.0 / math.sqrt(head_size) if scale is None else check_float("scale", scale)
     kv_split_size = check_optional_int("kv_split_size", kv_split_size, 1)
     max_query_len = check_optional_int("max_query_len", max_query_len, 0)
     max_seq_len = check_optional_int("max_seq_len", max_seq_len, 0)
     kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, kv.num_kv_heads)  # checked even when nothing is launched
-    check_writable("out", out)
-    check_writable("workspace", workspace)
+    check_workspace(workspace)
     out = check_out(out, q, "out")
     lse = empty(xp, (num_heads, num_tokens), np.float32) if return_lse else None
     if validate_enabled(validate):
@@ -63,8 +58,8 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
         check_scale_values(kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     if num_tokens == 0:
         return (out, lse) if return_lse else out
-    plan = plan_attention(q, kv, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
-                          max_seq_len=max_seq_len, kv_split_size=kv_split_size)
+    plan = plan_checked(q, kv, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
+                        max_seq_len=max_seq_len, kv_split_size=kv_split_size)
     partials = carve_workspace(workspace, plan)
     run_attention(plan, q, kv, out, lse, block_tables, seq_lens, query_start_loc, scale=scale, causal=causal,
                   sliding_window=window, window_size=window_size, sinks=sinks, alibi_slopes=alibi, softcap=softcap,

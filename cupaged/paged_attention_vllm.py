@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays
-from cupaged._attention_args import check_head_vector, check_out, check_q, check_tables, validate_tables
+from cupaged._attention_args import (check_head_vector, check_heads, check_out, check_q, check_tables, softmax_scales,
+                                    validate_tables)
 from cupaged._cache_args import check_scale_values
-from cupaged._checks import check_dtype, check_float, check_int, check_ndim, check_writable, validate_enabled
+from cupaged._checks import check_dtype, check_int, check_ndim, check_writable, validate_enabled
 from cupaged._backend import array_module
-from cupaged.attention import KvView, plan_attention, run_attention
+from cupaged.attention import KvView, plan_checked, run_attention
 
 __all__ = ["paged_attention_v1", "paged_attention_v2", "PARTITION_SIZE"]
 
@@ -28,17 +29,15 @@ def _common(out, query, key_cache, value_cache, num_kv_heads, scale, block_table
             raise NotImplementedError(f"{name}={value}: block-sparse attention is not supported")
     check_int("tp_rank", tp_rank, 0)
     num_seqs, num_heads, head_size = check_q(query, "query")
-    check_writable("out", out)
     check_out(out, query, "out")
     kv = KvView.paged(key_cache, value_cache, query, kv_cache_dtype, "vllm")
     if check_int("num_kv_heads", num_kv_heads, 1) != kv.num_kv_heads:
         raise ValueError(f"num_kv_heads={num_kv_heads} does not match key_cache's {kv.num_kv_heads} heads")
     if check_int("block_size", block_size, 1) != kv.block_size:
         raise ValueError(f"block_size={block_size} does not match key_cache's block size {kv.block_size}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    check_heads(num_heads, num_kv_heads, "query")
     check_tables(block_tables, seq_lens, None, num_seqs)
-    scale = check_float("scale", scale)
+    scale, _ = softmax_scales(scale)
     max_seq_len = check_int("max_seq_len", max_seq_len, 0, 2**31 - 1)
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
         if hasattr(value, "size") and value.size != 1 and kv_cache_dtype != "auto":
@@ -70,7 +69,7 @@ def paged_attention_v1(out, query, key_cache, value_cache, num_kv_heads, scale, 
         _blocksparse(blocksparse_local_blocks, blocksparse_vert_stride, blocksparse_block_size,
                      blocksparse_head_sliding_step), validate)
     if query.shape[0]:
-        plan = plan_attention(query, kv, block_tables, seq_lens, max_seq_len=max_seq_len or None)
+        plan = plan_checked(query, kv, block_tables, seq_lens, max_seq_len=max_seq_len or None)
         run_attention(plan, query, kv, out, None, block_tables, seq_lens, scale=scale, alibi_slopes=alibi,
                       k_scale=k_scale, v_scale=v_scale)
 
@@ -111,7 +110,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_output, query, key_cache, 
         raise ValueError(f"max_num_partitions={partitions} (exp_sums' last dimension) < ceil(max_seq_len / "
                          f"{PARTITION_SIZE}) = {need}")
     if num_seqs:
-        plan = plan_attention(query, kv, block_tables, seq_lens, kv_split_size=PARTITION_SIZE, max_splits=partitions,
-                              always_partials=True)
+        plan = plan_checked(query, kv, block_tables, seq_lens, kv_split_size=PARTITION_SIZE, max_splits=partitions,
+                            always_partials=True)
         run_attention(plan, query, kv, out, None, block_tables, seq_lens, scale=scale, alibi_slopes=alibi,
                       k_scale=k_scale, v_scale=v_scale, partials=(max_logits, exp_sums, tmp_output))

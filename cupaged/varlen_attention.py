@@ -3,18 +3,15 @@ attention kernel's dense mode: keys and values are token rows addressed through 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays
-from cupaged._attention_args import (check_head_vector, check_hint, check_out, check_q, check_softcap, check_window,
-                                    validate_offsets)
+from cupaged._attention_args import (check_head_vector, check_heads, check_hint, check_out, check_q, check_window,
+                                    softmax_scales, validate_offsets)
 from cupaged._cache_args import check_index
-from cupaged._checks import check_bool, check_float, check_last_contiguous, check_ndim, check_optional_int, \
-    check_writable, validate_enabled
+from cupaged._checks import check_bool, check_optional_int, validate_enabled
 from cupaged._backend import array_module, empty, host_copy
-from cupaged.attention import KvView, plan_attention, run_attention
+from cupaged.attention import KvView, plan_checked, run_attention
 
 __all__ = ["varlen_attention"]
 
@@ -39,21 +36,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
     xp = array_module(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
                       out=out)
     total_q, num_heads, head_size = check_q(q)
-    check_ndim("k", k, 3, "[total_k, num_kv_heads, qk_head_size]")
-    check_ndim("v", v, 3, "[total_k, num_kv_heads, v_head_size]")
-    for name, a in (("k", k), ("v", v)):
-        if a.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
-        check_last_contiguous(name, a)
-    if k.shape[2] != head_size:
-        raise ValueError(f"k's head size {k.shape[2]} must equal q's {head_size}")
-    if v.shape[:2] != k.shape[:2]:
-        raise ValueError(f"v must be [{k.shape[0]}, {k.shape[1]}, v_head_size] like k, got {tuple(v.shape)}")
-    v_head_size = v.shape[2]
-    if v_head_size > 256 or v_head_size == 0:
-        raise NotImplementedError(f"v_head_size={v_head_size} (v's last dimension): 1..256 are supported")
-    if k.shape[1] == 0 or num_heads % k.shape[1]:
-        raise ValueError(f"num_heads={num_heads} (q) must be a multiple of num_kv_heads={k.shape[1]} (k)")
+    kv = KvView.dense(k, v)  # k and v alike: rank, dtype, rows, heads
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}, got {k.dtype}")
+    if kv.head_size != head_size:
+        raise ValueError(f"k's head size {kv.head_size} must equal q's {head_size}")
+    v_head_size = kv.v_head_size
+    check_heads(num_heads, kv.num_kv_heads, "q", "k")
     check_index("cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]")
     check_index("cu_seqlens_k", cu_seqlens_k, 1, "[batch + 1]")
     if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0] or cu_seqlens_q.shape[0] < 1:
@@ -66,15 +55,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
             raise ValueError(f"seqused_k must be [batch] = [{batch}] (one count a sequence), got {seqused_k.shape[0]}")
     if batch > 65535:
         raise NotImplementedError(f"cu_seqlens_q: at most 65535 sequences per call, got {batch}")
-    causal, return_lse = check_bool("causal", causal), check_bool("return_lse", return_lse)
+    causal, return_lse = check_bool("causal", causal, strict=True), check_bool("return_lse", return_lse)
     _, window_size = check_window(None, window_size, causal)
-    softcap = check_softcap(softcap)
+    scale, softcap = softmax_scales(scale, softcap, head_size)
     sinks = check_head_vector("sinks", sinks, num_heads, xp)
     alibi = check_head_vector("alibi_slopes", alibi_slopes, num_heads, xp)
-    scale = 1.0 / math.sqrt(head_size) if scale is None else check_float("scale", scale)
     max_seqlen_q = check_optional_int("max_seqlen_q", max_seqlen_q, 0)
     max_seqlen_k = check_optional_int("max_seqlen_k", max_seqlen_k, 0)
-    check_writable("out", out)
     out = check_out(out, q, "out", shape=(total_q, num_heads, v_head_size))
     lse = empty(xp, (num_heads, total_q), np.float32) if return_lse else None
     if validate_enabled(validate):
@@ -94,8 +81,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None, causal=
         if return_lse:
             lse[...] = -np.inf
         return (out, lse) if return_lse else out
-    kv = KvView.dense(k, v)
-    plan = plan_attention(q, kv, None, cu_seqlens_k, cu_seqlens_q, max_query_len=max_seqlen_q, max_seq_len=max_seqlen_k)
+    plan = plan_checked(q, kv, None, cu_seqlens_k, cu_seqlens_q, max_query_len=max_seqlen_q, max_seq_len=max_seqlen_k)
     run_attention(plan, q, kv, out, lse, None, cu_seqlens_k, cu_seqlens_q, scale=scale, causal=causal,
                   window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=alibi, seqused_k=seqused_k)
     return (out, lse) if return_lse else out

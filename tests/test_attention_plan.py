@@ -1,5 +1,6 @@
 """The attention engine's public plan/run (cupaged/attention.py): one plan serves every layer, a plan
-and its K/V must agree, and a failed attention call writes nothing."""
+and its K/V must agree, plan_attention and run_attention reject bad arguments by name, and a failed
+attention call writes nothing."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import cupaged
 from cupaged import reference
 from cupaged._attention_kernels import decode_smem_bytes, resident_ctas
 from cupaged._backend import NOMINAL_SM_SHARED, NOMINAL_SMS
-from cupaged.attention import MIN_SPLIT
+from cupaged._plan import MIN_SPLIT
 from cupaged.testing import assert_close
+from tests.test_bad_input import _read_only
 from tests.test_paged_attention import C, build
 
 F16 = np.float16
@@ -228,3 +230,83 @@ def test_every_kernel_fits_a_100_kb_sm(monkeypatch, dtype, head, kind):
                                   qsl)
     assert plan.main_launches and all(need + 1024 <= 100 * 1024 for *_, need in plan.main_launches)
     assert ("paged_prefill" in plan.kernel) if kind == "prefill" else plan.kernel is None
+
+
+def _planned():
+    """A small mixed batch's arguments of plan_attention / run_attention (sim arrays), its plan and an out of 7s."""
+    inputs, _, _ = build(C(seqs=((1, 40), (3, 20)), heads=(4, 2), head_size=64))
+    a = {k: cupaged.sim.asarray(v) for k, v in inputs.items()}
+    kv = cupaged.KvView.paged(a.pop("key_cache"), a.pop("value_cache"), a["q"])
+    plan = cupaged.plan_attention(a["q"], kv, a["block_tables"], a["seq_lens"], a["query_start_loc"])
+    return dict(plan=plan, q=a["q"], kv=kv, out=cupaged.sim.asarray(np.full((4, 4, 64), 7, F16)), lse=None,
+                block_tables=a["block_tables"], seq_lens=a["seq_lens"], query_start_loc=a["query_start_loc"])
+
+
+BAD_PLAN = {
+    "kv_split_size -1": (lambda a: {"kv_split_size": -1}, ValueError, "kv_split_size must be >= 0"),
+    "max_splits 0": (lambda a: {"max_splits": 0}, ValueError, "max_splits must be >= 1"),
+    "max_splits -2": (lambda a: {"max_splits": -2}, ValueError, "max_splits must be >= 1"),
+    "max_query_len -1": (lambda a: {"max_query_len": -1}, ValueError, "max_query_len must be >= 0"),
+    "max_seq_len str": (lambda a: {"max_seq_len": "12"}, TypeError, "max_seq_len must be an int"),
+    "always_partials 1": (lambda a: {"always_partials": 1}, TypeError, "always_partials must be a bool"),
+    "always_partials str": (lambda a: {"always_partials": "yes"}, TypeError, "always_partials must be a bool"),
+    "q list": (lambda a: {"q": a["q"].tolist()}, TypeError, "q must be a numpy or cupy array"),
+    "kv tuple": (lambda a: {"kv": (a["kv"].key, a["kv"].value)}, TypeError, "kv must be a KvView"),
+    "3 heads over 2": (lambda a: {"q": a["q"][:, :3]}, ValueError, "num_heads=3 .* multiple of num_kv_heads=2"),
+    "head size": (lambda a: {"q": a["q"][..., :32]}, ValueError, "head size"),
+    "q dtype": (lambda a: {"q": a["q"].astype(np.float32)}, TypeError, "q must have dtype"),
+    "no block_tables": (lambda a: {"block_tables": None}, TypeError, "block_tables must be a numpy or cupy array"),
+    "seq_lens list": (lambda a: {"seq_lens": a["seq_lens"].tolist()}, TypeError, "seq_lens must be"),
+    "query_start_loc short": (lambda a: {"query_start_loc": a["query_start_loc"][:2]}, ValueError, "query_start_loc"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PLAN, ids=list(BAD_PLAN))
+def test_plan_attention_rejects_bad_arguments(case):
+    a = _planned()
+    a = dict(q=a["q"], kv=a["kv"], block_tables=a["block_tables"], seq_lens=a["seq_lens"],
+             query_start_loc=a["query_start_loc"])
+    change, exc, match = BAD_PLAN[case]
+    with pytest.raises(exc, match=match):
+        cupaged.plan_attention(**{**a, **change(a)})
+
+
+BAD_RUN = {
+    "plan None": (lambda a: {"plan": None}, TypeError, "plan must be an AttentionPlan"),
+    "plan dict": (lambda a: {"plan": dataclasses.asdict(a["plan"])}, TypeError, "plan must be an AttentionPlan"),
+    "q list": (lambda a: {"q": a["q"].tolist()}, TypeError, "q must be a numpy or cupy array"),
+    "kv tuple": (lambda a: {"kv": (a["kv"].key, a["kv"].value)}, TypeError, "kv must be a KvView"),
+    "out None": (lambda a: {"out": None}, TypeError, "out must be a numpy or cupy array"),
+    "out read-only": (lambda a: {"out": _read_only(a["out"])}, ValueError, "out is read-only"),
+    "out shape": (lambda a: {"out": a["out"][:2]}, ValueError, r"out must have shape \(4, 4, 64\)"),
+    "out dtype": (lambda a: {"out": a["out"].view(np.int16)}, TypeError, "out must have dtype float16"),
+    "out strided": (lambda a: {"out": cupaged.sim.zeros((4, 4, 128), F16)[..., ::2]}, ValueError,
+                    "out must be contiguous in its last dimension"),
+    "lse shape": (lambda a: {"lse": cupaged.sim.zeros((4, 3), np.float32)}, ValueError,
+                  r"lse must have shape \(4, 4\)"),
+    "lse dtype": (lambda a: {"lse": cupaged.sim.zeros((4, 4), F16)}, TypeError, "lse must have dtype float32"),
+    "lse read-only": (lambda a: {"lse": _read_only(cupaged.sim.zeros((4, 4), np.float32))}, ValueError,
+                      "lse is read-only"),
+    "lse transposed": (lambda a: {"lse": cupaged.sim.zeros((4, 4), np.float32).T}, ValueError,
+                       "lse must be contiguous"),
+    "scale inf": (lambda a: {"scale": math.inf}, ValueError, "scale must be"),
+    "scale 1e39": (lambda a: {"scale": 1e39}, ValueError, "scale must be"),
+    "scale list": (lambda a: {"scale": [0.1]}, TypeError, "scale must be a float"),
+    "softcap nan": (lambda a: {"softcap": math.nan}, ValueError, "softcap must be"),
+    "causal 1": (lambda a: {"causal": 1}, TypeError, "causal must be a bool"),
+    "window past int32": (lambda a: {"window_size": (2**40, 0)}, ValueError, "window_size must be"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RUN, ids=list(BAD_RUN))
+def test_run_attention_rejects_bad_buffers_flags_and_plans(case):
+    """What costs nothing to check on the hot path: the plan, out / lse (shape, dtype, contiguity, writable),
+    finite float32 scales, a bool causal, an int32 window. Nothing is written."""
+    a = _planned()
+    change, exc, match = BAD_RUN[case]
+    a.update(change(a))
+    written = [(x, x.copy()) for x in (a["out"], a["lse"]) if isinstance(x, np.ndarray)]
+    with pytest.raises(exc, match=match):
+        cupaged.run_attention(**a)
+    for x, was in written:
+        np.testing.assert_array_equal(x, was)
