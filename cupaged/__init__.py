@@ -8,7 +8,7 @@ data arrays. See README.md for the API tour.
 from cupaged.attention import AttentionPlan, KvView, plan_attention, run_attention, workspace_bytes
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache, swap_blocks
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
-from cupaged.kv_cache import KVCache
+from cupaged.kv_cache import KVCache, KVCacheTooLarge
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_chunked_prefill, mla_decode
 from cupaged.paged_attention import paged_attention
@@ -20,7 +20,8 @@ from cupaged import layers
 
 __version__ = "0.1.0"
 
-for _public in (AttentionPlan, KvView, KVCache, BatchPlan, BlockPool, OutOfBlocks, PoolUsage, RotaryEmbedding):
+for _public in (AttentionPlan, KvView, KVCache, KVCacheTooLarge, BatchPlan, BlockPool, OutOfBlocks, PoolUsage,
+                RotaryEmbedding):
     _public.__module__ = __name__  # tracebacks and reprs name cupaged.X, where users import it from
 del _public
 
@@ -30,5 +31,5 @@ __all__ = [
     "paged_attention_v2", "varlen_attention", "mla_decode", "AttentionPlan", "KvView", "plan_attention",
     "run_attention", "workspace_bytes",
     "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",
-    "RotaryEmbedding", "rope_and_cache", "layers", "__version__",
+    "KVCacheTooLarge", "RotaryEmbedding", "rope_and_cache", "layers", "__version__",
 ]

@@ -131,7 +131,7 @@ _DL_BFLOAT = 4  # DLDataTypeCode kDLBfloat: numpy's from_dlpack refuses it
 def _from_cpu_dlpack(a) -> np.ndarray:
     try:
         return np.from_dlpack(a)
-    except BufferError:
+    except (BufferError, RuntimeError):  # numpy 2 refuses a dtype it lacks (torch.bfloat16) with a RuntimeError
         return _bfloat16_from_dlpack(a)
 
 

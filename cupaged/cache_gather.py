@@ -10,7 +10,8 @@ import numpy as np
 
 from cupaged._interop import accepts_foreign_arrays
 from cupaged._annotate import op_launch
-from cupaged._cache_args import KV_CODE, KV_KINDS, cache_dtype, check_index, check_scale_values, scale_args
+from cupaged._cache_args import KV_CODE, KV_KINDS, cache_dtype, check_block_mapping, check_index, check_no_overlap, \
+    check_scale_values, op_array_module, scale_args
 from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int, check_last_contiguous, check_ndim, \
     check_writable, element_strides, validate_enabled
 from cupaged._cost import Cost
@@ -71,8 +72,9 @@ def _check_reads(src_cache, block_table, cu_seq_lens, seq_starts, seqs_of_tokens
             continue
         idx = pos // block_size
         if idx.max() >= bt.shape[1] or pos.min() < 0:
+            too_large = "cu_seq_lens" if seq_starts is None else "seq_starts / cu_seq_lens"
             raise ValueError(f"sequence {b} reads position {pos.max()}, past its block_table row of "
-                             f"{bt.shape[1]} blocks x {block_size} (seq_starts / cu_seq_lens too large)")
+                             f"{bt.shape[1]} blocks x {block_size} ({too_large} too large)")
         ids = bt[b, idx]
         if ids.min() < 0 or ids.max() >= num_blocks:
             raise ValueError(f"block_table row {b} holds block id {ids.max() if ids.max() >= num_blocks else ids.min()}, "
@@ -87,9 +89,10 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
     ``block_table[b]`` from ``src_cache`` ``[num_blocks, block_size, entry_size]`` into ``dst[t]``
     (dequantized into dst's dtype for fp8). Tokens at or past ``cu_seq_lens[b + 1]``, and tokens whose
     position runs past the end of ``block_table[b]`` (a chunk's ``seq_starts`` past the row: vLLM's
-    guard), are skipped: their dst rows are left as they were."""
-    xp = array_module(src_cache=src_cache, dst=dst, block_table=block_table, cu_seq_lens=cu_seq_lens,
-                      token_to_seq=token_to_seq, seq_starts=seq_starts)
+    guard), are skipped: their dst rows are left as they were. Without ``seq_starts`` a sequence longer
+    than its row is no such chunk: ``validate=True`` rejects it."""
+    xp = op_array_module(("seq_starts",), src_cache=src_cache, dst=dst, block_table=block_table,
+                         cu_seq_lens=cu_seq_lens, token_to_seq=token_to_seq, seq_starts=seq_starts)
     check_ndim("src_cache", src_cache, 3, "[num_blocks, block_size, entry_size]")
     check_ndim("dst", dst, 2, "[num_tokens, entry_size]")
     check_dtype("dst", dst, FLOAT_DTYPES)
@@ -102,6 +105,7 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
     check_last_contiguous("src_cache", src_cache)
     check_last_contiguous("dst", dst)
     check_writable("dst", dst)
+    check_no_overlap((("dst", dst),), (("src_cache", src_cache),))
     num_tokens = check_int("num_tokens", num_tokens, 0)
     check_index("token_to_seq", token_to_seq, 1, "[num_tokens]")
     if not 0 <= num_tokens <= min(dst.shape[0], token_to_seq.shape[0]):
@@ -117,7 +121,7 @@ def gather_and_maybe_dequant_cache(src_cache, dst, block_table, cu_seq_lens, tok
         tokens = np.arange(num_tokens)
         _check_reads(src_cache, block_table, cu_seq_lens, seq_starts,
                      lambda cu: ((b, tokens[(t2s == b) & (tokens < cu[b + 1])]) for b in range(batch)),
-                     skip_past_row=True)
+                     skip_past_row=seq_starts is not None)
         check_scale_values(kv_cache_dtype, scale=scale)
     if num_tokens == 0:
         return
@@ -152,8 +156,8 @@ def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_st
     """vLLM's ``cp_gather_cache``: a plain copy of every token of each of the first ``batch_size``
     sequences, ``dst[cu_seq_lens[b] + i] = src_cache[block_table[b, p // bs], p % bs]`` with
     ``p = i (+ seq_starts[b])``; src_cache ``[num_blocks, block_size, ...]``, dst ``[total, ...]``."""
-    xp = array_module(src_cache=src_cache, dst=dst, block_table=block_table, cu_seq_lens=cu_seq_lens,
-                      seq_starts=seq_starts)
+    xp = op_array_module(("seq_starts",), src_cache=src_cache, dst=dst, block_table=block_table,
+                         cu_seq_lens=cu_seq_lens, seq_starts=seq_starts)
     if src_cache.ndim < 3:
         raise ValueError(f"src_cache must be [num_blocks, block_size, ...], got shape {tuple(src_cache.shape)}")
     if dst.ndim != src_cache.ndim - 1 or dst.shape[1:] != src_cache.shape[2:]:
@@ -162,6 +166,7 @@ def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_st
     if dst.dtype != src_cache.dtype:
         raise TypeError(f"dst must have src_cache's dtype {src_cache.dtype}, got {dst.dtype}")
     check_writable("dst", dst)
+    check_no_overlap((("dst", dst),), (("src_cache", src_cache),))
     batch_size = check_int("batch_size", batch_size, 0)
     _check_tables(block_table, cu_seq_lens, seq_starts, batch_size)
     row_bytes = _row_contiguous("src_cache", src_cache, 2)
@@ -186,37 +191,14 @@ def cp_gather_cache(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_st
                 np.int32(src_cache.shape[1])))
 
 
-def _check_mapping(block_mapping, xp, bounds, validate):
-    """block_mapping int64 [n, 2] of (src, dst), each column inside its cache's blocks (checked
-    always for a host mapping, under validate for a device one); a numpy mapping beside cupy caches
-    is uploaded. ``bounds``: (name, src num_blocks, dst num_blocks) per cache."""
-    array_module(block_mapping=block_mapping)  # a TypeError naming it unless a numpy or cupy array
-    check_index("block_mapping", block_mapping, 2, "[num_pairs, 2] (src, dst)", dtypes=(np.int64,))
-    if block_mapping.shape[1] != 2:
-        raise ValueError(f"block_mapping must be [num_pairs, 2], got shape {tuple(block_mapping.shape)}")
-    host = isinstance(block_mapping, np.ndarray)
-    if block_mapping.shape[0] and (host or validate_enabled(validate)):
-        ids = host_copy(block_mapping)
-        src_max, dst_max = ids.max(axis=0)
-        # One pass over the ids against the smallest caches; only a failure looks for the first bad entry.
-        if bounds and (ids.min() < 0 or src_max >= min(b[1] for b in bounds)
-                       or dst_max >= min(b[2] for b in bounds)):
-            for name, src_blocks, dst_blocks in bounds:
-                for col, what, n in ((0, "source", src_blocks), (1, "destination", dst_blocks)):
-                    bad = np.flatnonzero((ids[:, col] < 0) | (ids[:, col] >= n))
-                    if bad.size:
-                        raise ValueError(f"block_mapping[{bad[0]}] has {what} block {ids[bad[0], col]}, outside "
-                                         f"{name}'s {n} blocks")
-    if host and xp is not np:
-        return xp.asarray(block_mapping)
-    return block_mapping
-
-
 @accepts_foreign_arrays
 def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
     """Copy whole blocks inside each cache: for every (src, dst) row of ``block_mapping`` (int64
-    ``[n, 2]``, may be numpy beside cupy caches) and every layer, ``cache[dst] = cache[src]``.
-    Caches of any layout; ``value_caches`` may be None (MLA). One launch per cache."""
+    ``[n, 2]`` of any strides, may be numpy beside cupy caches) and every layer,
+    ``cache[dst] = cache[src]``. Caches of any layout; ``value_caches`` may be None (MLA). One launch
+    per cache, its pairs in parallel: a block both a source and a destination, or a destination named
+    twice, races (vLLM's contract, which ``BlockPool.take_pending_copies`` keeps); ``validate=True``
+    rejects such a mapping."""
     for name, group in (("key_caches", key_caches), ("value_caches", value_caches)):
         if not isinstance(group, (list, tuple)) and not (name == "value_caches" and group is None):
             raise TypeError(f"{name} must be a list of per-layer caches{' or None' if name == 'value_caches' else ''}"
@@ -235,7 +217,8 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
         if cache.ndim < 2:
             raise ValueError(f"{name} must be [num_blocks, ...], got shape {tuple(cache.shape)}")
         block_bytes.append(_row_contiguous(name, cache, 1))
-    mapping = _check_mapping(block_mapping, xp, [(n, c.shape[0], c.shape[0]) for n, c in zip(names, caches)], validate)
+    bounds = [(n, c.shape[0], c.shape[0]) for n, c in zip(names, caches)]
+    mapping = check_block_mapping(block_mapping, xp, bounds, validate, parallel=True)
     pairs = mapping.shape[0]
     if pairs == 0:
         return
@@ -252,8 +235,8 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, validate=None):
 @accepts_foreign_arrays
 def swap_blocks(src, dst, block_mapping):
     """Copy whole blocks ``dst[d] = src[s]`` for every (s, d) row of ``block_mapping`` (int64
-    ``[n, 2]``, numpy or cupy, read on the host) between two caches ``[num_blocks, ...]`` of the
-    same block shape and dtype. numpy <-> numpy runs on the host (the sim). With a cupy array on
+    ``[n, 2]`` of any strides, numpy or cupy, read on the host) between two caches ``[num_blocks, ...]``
+    of the same block shape and dtype. numpy <-> numpy runs on the host (the sim). With a cupy array on
     either side every move is a cudaMemcpyAsync on CuPy's current stream, in the mapping's order,
     one per run of pairs adjacent on both sides (source and destination ids both advance by 1;
     blocks packed into staging are adjacent throughout):
@@ -282,9 +265,9 @@ def swap_blocks(src, dst, block_mapping):
     if src.shape[1:] != dst.shape[1:]:
         raise ValueError(f"src and dst blocks differ: {tuple(src.shape[1:])} vs {tuple(dst.shape[1:])}")
     check_writable("dst", dst)
-    array_module(block_mapping=block_mapping)  # a TypeError naming it unless a numpy or cupy array
+    op_array_module(block_mapping=block_mapping)  # a TypeError naming it unless a numpy or cupy array
     pairs = host_copy(block_mapping)
-    _check_mapping(pairs, np, [("src/dst", src.shape[0], dst.shape[0])], None)
+    check_block_mapping(pairs, np, [("src/dst", src.shape[0], dst.shape[0])], None)
     if pairs.shape[0] == 0:
         return
     if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):

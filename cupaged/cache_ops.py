@@ -12,12 +12,14 @@ from cupaged._cache_args import (
     KV_CODE,
     KV_KINDS,
     cache_dtype,
+    check_no_overlap,
     check_scale_values,
     check_slot_mapping,
     check_slots_in_pool,
     kernel_scalar_type,
     kv_dtype_name,
     kv_scale_args,
+    op_array_module,
     scale_args,
 )
 from cupaged._checks import (
@@ -34,7 +36,6 @@ from cupaged._checks import (
 )
 from cupaged._annotate import op_launch
 from cupaged._cost import Cost
-from cupaged._backend import array_module
 from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
 
@@ -81,16 +82,18 @@ def _aligned(arrays, strides, vec_elems) -> bool:
     return all(address(a) % 16 == 0 for a in arrays) and all(s % vec_elems == 0 for s in strides)
 
 
-def _check_key_value(key, value, kv_cache_dtype):
-    check_ndim("key", key, 3, "[num_tokens, num_kv_heads, head_size]")
-    check_ndim("value", value, 3, "[num_tokens, num_kv_heads, head_size]")
-    ctype = kernel_scalar_type("key", key)
+def _check_key_value(key, value, kv_cache_dtype, names=("key", "value")):
+    """``names``: the op's own names of key and value (rope_and_cache: k and v)."""
+    k, v = names
+    check_ndim(k, key, 3, "[num_tokens, num_kv_heads, head_size]")
+    check_ndim(v, value, 3, "[num_tokens, num_kv_heads, head_size]")
+    ctype = kernel_scalar_type(k, key)
     if value.dtype != key.dtype:
-        raise TypeError(f"value must have key's dtype {key.dtype}, got {value.dtype}")
+        raise TypeError(f"{v} must have {k}'s dtype {key.dtype}, got {value.dtype}")
     if value.shape != key.shape:
-        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
-    check_last_contiguous("key", key)
-    check_last_contiguous("value", value)
+        raise ValueError(f"{v} must have {k}'s shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    check_last_contiguous(k, key)
+    check_last_contiguous(v, value)
     return ctype, cache_dtype(kv_cache_dtype, key.dtype)
 
 
@@ -101,12 +104,13 @@ def _check_cache_dtype(name, cache, want, kv_cache_dtype):
 
 
 def check_flash_write(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale, layout,
-                      validate, xp):
-    """A flash-layout cache write's checks, all before any launch (reshape_and_cache_flash, rope_and_cache):
-    (key's C type, the caches' (block, slot-in-block, head) element strides, the kernel's scale arguments,
-    block_size)."""
+                      validate, xp, names=("key", "value")):
+    """A flash-layout cache write's checks, all before any launch (reshape_and_cache_flash, rope_and_cache,
+    whose ``names`` of key and value are k and v) but for overlaps, which the caller checks with its own
+    arrays: (key's C type, the caches' (block, slot-in-block, head) element strides, the kernel's scale
+    arguments, block_size)."""
     check_choice("layout", layout, LAYOUTS)
-    ctype, want = _check_key_value(key, value, kv_cache_dtype)
+    ctype, want = _check_key_value(key, value, kv_cache_dtype, names)
     dims = "[num_blocks, block_size, num_kv_heads, head_size]" if layout == "NHD" else \
         "[num_blocks, num_kv_heads, block_size, head_size]"
     num_tokens, num_kv_heads, head_size = key.shape
@@ -147,9 +151,10 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     ``CUPAGED_VALIDATE=1``) slots are checked against the pool first; otherwise an out-of-range
     slot is undefined behaviour on the GPU, as in vLLM.
     """
-    xp = array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    xp = op_array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     ctype, cache_strides, scales, block_size = check_flash_write(key, value, key_cache, value_cache, slot_mapping,
                                                                 kv_cache_dtype, k_scale, v_scale, layout, validate, xp)
+    check_no_overlap((("key_cache", key_cache), ("value_cache", value_cache)), (("key", key), ("value", value)))
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0 or num_kv_heads * head_size == 0:
         return
@@ -177,7 +182,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
     caches, 4 for float32, 16 for fp8); head_size must be a multiple of x. Otherwise as
     :func:`reshape_and_cache_flash`.
     """
-    xp = array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    xp = op_array_module(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
     ctype, want = _check_key_value(key, value, kv_cache_dtype)
     num_tokens, num_kv_heads, head_size = key.shape
     x = 16 // want.itemsize
@@ -197,6 +202,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache
         raise ValueError(f"value_cache must be [{num_blocks}, {num_kv_heads}, {head_size}, {block_size}], "
                          f"got shape {tuple(value_cache.shape)}")
     check_slot_mapping(slot_mapping, num_tokens)
+    check_no_overlap((("key_cache", key_cache), ("value_cache", value_cache)), (("key", key), ("value", value)))
     scales = kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, num_kv_heads)
     if validate_enabled(validate):
         check_slots_in_pool(slot_mapping, num_blocks * block_size, f"{num_blocks} blocks x {block_size} slots")
@@ -222,7 +228,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     """vLLM's ``concat_and_cache_mla``: ``kv_c`` ``[num_tokens, kv_lora_rank]`` and ``k_pe``
     ``[num_tokens, rope_dim]`` written side by side into ``kv_cache``
     ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` (uint8 with one ``scale`` for fp8)."""
-    xp = array_module(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    xp = op_array_module(kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
     check_ndim("kv_c", kv_c, 2, "[num_tokens, kv_lora_rank]")
     check_ndim("k_pe", k_pe, 2, "[num_tokens, rope_dim]")
     check_ndim("kv_cache", kv_cache, 3, "[num_blocks, block_size, kv_lora_rank + rope_dim]")
@@ -240,6 +246,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     for name, a in (("kv_c", kv_c), ("k_pe", k_pe), ("kv_cache", kv_cache)):
         check_last_contiguous(name, a)
     check_slot_mapping(slot_mapping, num_tokens)
+    check_no_overlap((("kv_cache", kv_cache),), (("kv_c", kv_c), ("k_pe", k_pe)))
     ptr, value, _ = scale_args("scale", scale, xp, kv_cache_dtype, None)
     num_blocks, block_size = kv_cache.shape[:2]
     if validate_enabled(validate):

@@ -8,6 +8,8 @@ pages, so a kernel running past one cache faults instead of silently reading the
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from cupaged import sim
@@ -15,9 +17,22 @@ from cupaged._cache_args import cache_dtype
 from cupaged._checks import check_choice, check_int, float_dtype
 from cupaged.pool._batch_plan import resolve_array_module
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "KVCacheTooLarge"]
 
 LAYOUTS = ("NHD", "HND", "vllm", "mla")
+
+
+class KVCacheTooLarge(MemoryError, ValueError):
+    """The caches a KVCache asks for do not fit: a MemoryError (the memory is not there) that is also a
+    ValueError (num_blocks is the argument to lower)."""
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} PiB"
 
 
 def _positive(name: str, value) -> int:
@@ -41,7 +56,9 @@ class KVCache:
     value cache (``value(layer)`` raises, ``value_caches`` is None). ``kv_cache_dtype`` "auto" stores ``dtype``; the fp8
     kinds store uint8. ``xp``: None (cupy when a GPU is usable, else the sim), numpy or
     ``cupaged.sim`` (guarded numpy), or cupy. New caches hold 0xFF bytes (NaN), so a kernel that
-    reads a slot nobody wrote produces NaN rather than a plausible number.
+    reads a slot nobody wrote produces NaN rather than a plausible number. Caches that do not fit raise
+    :class:`KVCacheTooLarge` naming ``num_blocks`` and the bytes needed, before anything is allocated where
+    that is known (the sim's caches live in host memory) or once the allocation fails.
     """
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_size, dtype, *,
@@ -59,9 +76,23 @@ class KVCache:
             raise ValueError(f"layout='mla' holds one latent head: num_kv_heads must be 1, got {num_kv_heads}")
         self.key_shape, self.value_shape = self._shapes()
         self.xp = resolve_array_module(xp)
-        self.key_caches = [self._allocate(self.key_shape) for _ in range(self.num_layers)]
-        self.value_caches = None if layout == "mla" else [self._allocate(self.value_shape)
-                                                          for _ in range(self.num_layers)]
+        # The sim maps its caches lazily but poisons every byte at once: past the host's memory that would
+        # thrash, or get the process killed, rather than fail
+        if self.xp is sim and self.nbytes > _host_memory():
+            raise KVCacheTooLarge(f"{self._needs()}, more than the host's {_size(_host_memory())} of memory the "
+                                  "sim's caches live in; lower num_blocks (KVCache.num_blocks_for)")
+        try:
+            self.key_caches = [self._allocate(self.key_shape) for _ in range(self.num_layers)]
+            self.value_caches = None if layout == "mla" else [self._allocate(self.value_shape)
+                                                              for _ in range(self.num_layers)]
+        except (MemoryError, OSError) as e:  # cupy's OutOfMemoryError; the sim's mmap
+            raise KVCacheTooLarge(f"{self._needs()}; allocating them failed ({type(e).__name__}: {e}); lower "
+                                  "num_blocks (KVCache.num_blocks_for)") from e
+
+    def _needs(self) -> str:
+        caches = self.num_layers * (1 if self.layout == "mla" else 2)
+        return (f"KVCache: num_blocks={self.num_blocks} needs {_size(self.nbytes)} ({self.num_layers} layers x "
+                f"{caches // self.num_layers} caches x {_size(self.nbytes / caches)})")
 
     def _shapes(self):
         n, bs, h, d = self.num_blocks, self.block_size, self.num_kv_heads, self.head_size
@@ -132,3 +163,7 @@ class KVCache:
                 f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
                 f"dtype={self.dtype}, layout={self.layout!r}, kv_cache_dtype={self.kv_cache_dtype!r}, "
                 f"backend={'sim' if self.xp is sim else 'cuda'}, {self.nbytes / 2**20:.1f} MiB)")
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -10,8 +10,9 @@ import math
 import numpy as np
 
 from cupaged._annotate import op_launch
-from cupaged._backend import array_module, host_copy, module_of, struct_arg, upload
-from cupaged._cache_args import KV_CODE, KV_KINDS, SLOT_DTYPES, check_slot_mapping, kv_dtype_name
+from cupaged._backend import host_copy, module_of, struct_arg, upload
+from cupaged._cache_args import (KV_CODE, KV_KINDS, SLOT_DTYPES, check_no_overlap, check_slot_mapping, kv_dtype_name,
+                                 op_array_module)
 from cupaged._checks import (CTYPE, FLOAT_DTYPES, address, check_bool, check_dtype, check_float, check_int,
                              check_last_contiguous, check_ndim, check_writable, element_strides, validate_enabled)
 from cupaged._cost import Cost
@@ -72,7 +73,7 @@ def inv_freq(rotary_dim: int, rope_theta: float, scaling: dict | None) -> np.nda
     factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
     old = float(scaling["original_max_position_embeddings"])
     wavelen = 2 * math.pi / freqs
-    smooth = (old / wavelen - low) / (high - low) if high != low else np.zeros_like(freqs)
+    smooth = (old / wavelen - low) / (high - low)
     return np.where(wavelen < old / high, freqs,
                     np.where(wavelen > old / low, freqs / factor, (1 - smooth) * freqs / factor + smooth * freqs))
 
@@ -91,8 +92,17 @@ def _check_scaling(scaling) -> dict | None:
                if k not in scaling]
     if missing:
         raise ValueError(f"scaling (rope_type 'llama3') lacks {', '.join(missing)}")
-    for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        check_float(f"scaling[{k!r}]", scaling[k], positive=True)
+    # Hugging Face's rules (_validate_llama3_parameters): the band between the two wavelength bounds is blended
+    # over high - low, so high must exceed low; a factor under 1 would raise the low frequencies
+    factor = check_float("scaling['factor']", scaling["factor"])
+    if factor < 1:
+        raise ValueError(f"scaling['factor'] must be >= 1, got {factor}")
+    low, high = (check_float(f"scaling[{k!r}]", scaling[k], positive=True) for k in ("low_freq_factor",
+                                                                                      "high_freq_factor"))
+    if high <= low:
+        raise ValueError(f"scaling['high_freq_factor'] must be greater than scaling['low_freq_factor'], got {high} "
+                         f"and {low}")
+    check_int("scaling['original_max_position_embeddings']", scaling["original_max_position_embeddings"], 1)
     return dict(scaling)
 
 
@@ -125,8 +135,9 @@ class RotaryEmbedding:
         """Rotate ``q`` ``[num_tokens, num_heads, head_dim]`` and ``k`` ``[num_tokens, num_kv_heads, head_dim]``
         in place at ``positions`` (int64 or int32 ``[num_tokens]``); returns ``(q, k)``. cos and sin are computed
         in the kernel from the float64 frequencies (no cache: any position)."""
-        xp = array_module(positions=positions, q=q, k=k)
+        xp = op_array_module(positions=positions, q=q, k=k)
         _check_qk(q, k, positions, self.head_dim, self.rotary_dim)
+        check_no_overlap((("q", q), ("k", k)))
         if q.shape[0] == 0:
             return q, k
         key = id(xp) if xp is np else (id(xp), xp.cuda.Device().id)
@@ -193,12 +204,14 @@ def rope_and_cache(q, k, v, positions, cos_sin_cache, key_cache, value_cache, sl
     rotary_dim]``, :meth:`RotaryEmbedding.cos_sin_cache`; the first rotary_dim dimensions of each head), then write
     the rotated k and ``v`` into the flash-layout caches at ``slot_mapping`` as :func:`reshape_and_cache_flash`
     does (NHD / HND, fp8 with scales, negative slots skipped): one launch. Returns ``(q, k)``."""
-    xp = array_module(q=q, k=k, v=v, positions=positions, cos_sin_cache=cos_sin_cache, key_cache=key_cache,
-                      value_cache=value_cache, slot_mapping=slot_mapping)
+    xp = op_array_module(q=q, k=k, v=v, positions=positions, cos_sin_cache=cos_sin_cache, key_cache=key_cache,
+                         value_cache=value_cache, slot_mapping=slot_mapping)
     neox = check_bool("is_neox_style", is_neox_style)
     ctype, cache_strides, scales, block_size = check_flash_write(k, v, key_cache, value_cache, slot_mapping,
-                                                                kv_cache_dtype, k_scale, v_scale, layout, validate, xp)
+                                                                kv_cache_dtype, k_scale, v_scale, layout, validate, xp,
+                                                                names=("k", "v"))
     _check_qk(q, k, positions, k.shape[2])
+    check_no_overlap((("q", q), ("k", k), ("key_cache", key_cache), ("value_cache", value_cache)), (("v", v),))
     check_ndim("cos_sin_cache", cos_sin_cache, 2, "[max_position, rotary_dim]")
     check_dtype("cos_sin_cache", cos_sin_cache, (np.float32,))
     rotary_dim = cos_sin_cache.shape[1]

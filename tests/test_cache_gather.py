@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import cache_gather, reference
+from cupaged import cache_gather, reference, sim
 from cupaged.testing import paged_kv, poisoned
 from tests.test_cache_ops import assert_bytes_equal, case_id, covering_set, full_product, record_launches
 
@@ -355,3 +355,125 @@ def test_swap_blocks_host_device_round_trip(host_kind, device_kind):
     chain = np.array([[6, 7], [7, 8]], np.int64)
     cupaged.swap_blocks(device, device, chain)  # one cache: every block read before any is written
     assert_bytes_equal(device.get(), reference.swap_blocks(device_ref, device_ref, chain), "within one cache")
+
+
+STRIDED_MAPPINGS = {  # every one names the pairs (0, 3) and (1, 4)
+    "rows two apart": lambda: np.repeat(np.array([[0, 3], [1, 4]], np.int64), 2, 0)[::2],
+    "columns of a wider array": lambda: np.array([[0, 3, 9], [1, 4, 9]], np.int64)[:, :2],
+    "columns swapped back": lambda: np.array([[3, 0], [4, 1]], np.int64)[:, ::-1],
+    "column-major": lambda: np.asfortranarray(np.array([[0, 3], [1, 4]], np.int64)),
+}
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("kind", STRIDED_MAPPINGS)
+def test_copy_blocks_takes_a_mapping_of_any_strides(backend, kind, where):
+    """The kernel reads the pairs as packed rows: a strided mapping is made contiguous first (before:
+    rows two apart copied block 3 twice and block 4 never; a slice of a wider array read its third column)."""
+    mapping = STRIDED_MAPPINGS[kind]()
+    if where == "device":  # a strided view of a device array
+        wide = backend.asarray(np.zeros((4, 3), np.int64))
+        wide[::2, :2] = backend.asarray(np.ascontiguousarray(mapping))
+        mapping = wide[::2, :2]
+    cache0 = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+    cache = backend.asarray(cache0)
+    cupaged.copy_blocks([cache], None, mapping)
+    ref, _ = reference.copy_blocks([cache0], None, np.array([[0, 3], [1, 4]]))
+    assert_bytes_equal(backend.to_numpy(cache), ref[0], "cache")
+
+
+RACING_MAPPINGS = {  # pairs of one launch run in parallel on a GPU
+    "source written earlier": ([[1, 2], [2, 3]], "block 2 is both a source and a destination"),
+    "source written later": ([[2, 3], [1, 2]], "block 2 is both a source and a destination"),
+    "onto itself": ([[4, 4]], "block 4 is both a source and a destination"),
+    "destination twice": ([[1, 3], [2, 3]], "destination block 3 appears twice"),
+}
+
+
+@pytest.mark.parametrize("how", ["validate", "env"])
+@pytest.mark.parametrize("kind", RACING_MAPPINGS)
+def test_copy_blocks_validate_rejects_mappings_that_race(backend, monkeypatch, kind, how):
+    pairs, message = RACING_MAPPINGS[kind]
+    cache0 = np.arange(6 * 8, dtype=np.float16).reshape(6, 8)
+    keys, values = [backend.asarray(cache0)], [backend.asarray(cache0 + 1)]
+    options = {"validate": True}
+    if how == "env":
+        monkeypatch.setenv("CUPAGED_VALIDATE", "1")
+        options = {}
+    for mapping in (np.array(pairs, np.int64), backend.asarray(np.array(pairs, np.int64))):
+        with pytest.raises(ValueError, match=rf"^block_mapping: {message}"):
+            cupaged.copy_blocks(keys, values, mapping, **options)
+    assert_bytes_equal(backend.to_numpy(keys[0]), cache0, "key cache after rejected calls")
+    assert_bytes_equal(backend.to_numpy(values[0]), cache0 + 1, "value cache after rejected calls")
+
+
+def test_copy_blocks_validate_passes_the_pools_pending_copies(backend):
+    """BlockPool's copy-on-write copies never race: validate=True runs them."""
+    pool = cupaged.BlockPool(12, 4)
+    for seq in "abc":
+        pool.append(seq, 6)
+    for parent, child in (("a", "a1"), ("a", "a2"), ("b", "b1"), ("a1", "a3")):
+        pool.fork(parent, child)
+    for seq in ("a", "a1", "a2", "b", "a3"):
+        pool.append(seq, 1)
+    mapping = pool.take_pending_copies()
+    assert len(mapping) == 4
+    cache0 = np.arange(12 * 4, dtype=np.float32).reshape(12, 4)
+    cache = backend.asarray(cache0)
+    cupaged.copy_blocks([cache], None, mapping, validate=True)
+    ref, _ = reference.copy_blocks([cache0], None, mapping)
+    assert_bytes_equal(backend.to_numpy(cache), ref[0], "cache")
+
+
+def test_swap_blocks_takes_a_mapping_of_any_strides():
+    src = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+    for kind, make in STRIDED_MAPPINGS.items():
+        dst0 = poisoned((6, 8), np.float32)
+        dst = dst0.copy()
+        cupaged.swap_blocks(src, dst, make())
+        assert_bytes_equal(dst, reference.swap_blocks(src, dst0, np.array([[0, 3], [1, 4]])), kind)
+
+
+def test_gather_validate_rejects_a_sequence_longer_than_its_block_table_row(backend):
+    """Without seq_starts a sequence's own tokens past its row are no chunk running off the end (vLLM's guard,
+    test_gather_skips_tokens_past_the_block_table_row): cu_seq_lens contradicts block_table (before: the
+    tokens past the row were skipped, dst rows left unwritten, even under validate=True)."""
+    cache = backend.asarray(np.random.default_rng(4).standard_normal((8, 4, ENTRY)).astype(np.float16))
+    table = backend.asarray(np.array([[0, 1, 2], [3, 4, 5]], np.int32))  # rows of 3 blocks of 4 positions
+    cu = cu_seq_lens([13, 10])  # sequence 0 claims 13 tokens: its row holds 12
+    dst0 = np.full((23, ENTRY), np.nan, np.float16)
+    dst = backend.asarray(dst0)
+    token_to_seq = np.repeat([0, 1], [13, 10]).astype(np.int32)
+    with pytest.raises(ValueError, match=r"sequence 0 reads position 12, past its block_table row of 3 blocks x 4 "
+                                         r"\(cu_seq_lens too large\)"):
+        cupaged.gather_and_maybe_dequant_cache(cache, dst, table, backend.asarray(cu), backend.asarray(token_to_seq),
+                                               23, validate=True)
+    assert_bytes_equal(backend.to_numpy(dst), dst0, "dst after a rejected call")
+
+
+def test_gathers_reject_dst_sharing_memory_with_src_cache(backend):
+    """dst a view of src_cache: the gather would overwrite rows it has still to read."""
+    kv = paged_rows(backend.name, np.random.default_rng(4), [3, 4], 16, spare_blocks=6)
+    cache = kv.key_cache
+    before = backend.to_numpy(cache).copy()
+    dst = cache.reshape(-1, ENTRY)[16:23]
+    cu, table = backend.asarray(cu_seq_lens([3, 4])), kv.block_tables
+    with pytest.raises(ValueError, match="dst and src_cache share memory"):
+        cupaged.gather_and_maybe_dequant_cache(cache, dst, table, cu,
+                                               backend.asarray(np.repeat([0, 1], [3, 4]).astype(np.int32)), 7)
+    with pytest.raises(ValueError, match="dst and src_cache share memory"):
+        cupaged.cp_gather_cache(cache, dst, table, cu, 2)
+    assert_bytes_equal(backend.to_numpy(cache), before, "src_cache after rejected calls")
+
+
+@pytest.mark.parametrize("op", ["gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks"])
+def test_missing_arrays_are_type_errors_naming_them(op):
+    cache, dst = sim.zeros((4, 16, 8), np.float16), sim.zeros((7, 8), np.float16)
+    table, cu = np.zeros((2, 1), np.int32), cu_seq_lens([3, 4])
+    calls = {"gather_and_maybe_dequant_cache": (lambda: cupaged.gather_and_maybe_dequant_cache(
+                 cache, dst, table, cu, None, 7), "token_to_seq"),
+             "cp_gather_cache": (lambda: cupaged.cp_gather_cache(cache, dst, None, cu, 2), "block_table"),
+             "copy_blocks": (lambda: cupaged.copy_blocks([cache], None, None), "block_mapping")}
+    call, name = calls[op]
+    with pytest.raises(TypeError, match=rf"^{name} must be a numpy or cupy array, got None"):
+        call()

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import cache_ops, reference
+from cupaged import _cache_args, cache_ops, reference
 from cupaged.testing import poisoned
+from tests.conftest import Backend
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 FP8 = ["fp8", "fp8_e5m2"]
@@ -512,3 +513,80 @@ def test_dequantized_reference_is_close_to_input():
     check_dequantized(reference.quantize_fp8(x, s), s, "fp8", x, "x")
     with pytest.raises(AssertionError):
         check_dequantized(reference.quantize_fp8(x, s), 2 * s, "fp8", x, "x")
+
+
+# ---------------------------------------------------------------- arrays that overlap, arrays missing
+def _flash_args(backend):
+    a = _valid(backend)
+    return a, lambda **change: cupaged.reshape_and_cache_flash(**{**a, **change})
+
+
+def _vllm_args(backend):
+    key, value = kv_data(np.random.default_rng(0), 4, 2, 64, np.float16)
+    kc, vc = (backend.asarray(c) for c in vllm_caches(4, 2, 64, 8, np.float16))
+    a = dict(key=backend.asarray(key), value=backend.asarray(value), key_cache=kc, value_cache=vc,
+             slot_mapping=backend.asarray(np.arange(4)))
+    return a, lambda **change: cupaged.reshape_and_cache(**{**a, **change})
+
+
+def _mla_args(backend):
+    a = dict(kv_c=backend.asarray(np.ones((5, 512), np.float16)), k_pe=backend.asarray(np.ones((5, 64), np.float16)),
+             kv_cache=backend.asarray(poisoned((4, 16, 576), np.float16)), slot_mapping=backend.asarray(np.arange(5)))
+    return a, lambda **change: cupaged.concat_and_cache_mla(**{**a, **change})
+
+
+OVERLAPS = {  # op, the change, the two arguments the error names
+    "flash: one array as both caches": (_flash_args, lambda a: {"value_cache": a["key_cache"]},
+                                        ("key_cache", "value_cache")),
+    "flash: key a view of key_cache": (_flash_args, lambda a: {"key": a["key_cache"].reshape(-1, 4, 64)[:10]},
+                                       ("key_cache", "key")),
+    "flash: value a view of value_cache": (_flash_args, lambda a: {"value": a["value_cache"].reshape(-1, 4, 64)[5:15]},
+                                           ("value_cache", "value")),
+    "flash: caches two blocks apart": (_flash_args, lambda a: {"key_cache": a["key_cache"][:4],
+                                                               "value_cache": a["key_cache"][2:6]},
+                                       ("key_cache", "value_cache")),
+    "vllm: value_cache a view of key_cache": (_vllm_args,
+                                              lambda a: {"value_cache": a["key_cache"].reshape(4, 2, 64, 8)},
+                                              ("key_cache", "value_cache")),
+    "vllm: key a view of value_cache": (_vllm_args, lambda a: {"key": a["value_cache"].reshape(-1, 2, 64)[:4]},
+                                        ("value_cache", "key")),
+    "mla: kv_c a view of kv_cache": (_mla_args, lambda a: {"kv_c": a["kv_cache"].reshape(-1, 576)[3:8, :512]},
+                                     ("kv_cache", "kv_c")),
+    "mla: k_pe a view of kv_cache": (_mla_args, lambda a: {"k_pe": a["kv_cache"].reshape(-1, 576)[:5, 512:]},
+                                     ("kv_cache", "k_pe")),
+}
+
+
+@pytest.mark.parametrize("case", OVERLAPS)
+def test_cache_writes_reject_arrays_that_share_memory(backend, case):
+    """A cache written over its own input, or both caches in one array, is a ValueError naming both arrays
+    (before: accepted, the cache corrupted); nothing is written. Interleaved views that share no byte pass
+    (test_flash_caches_as_views_of_one_buffer)."""
+    make, change, (first, second) = OVERLAPS[case]
+    a, call = make(backend)
+    caches = [name for name in ("key_cache", "value_cache", "kv_cache") if name in a]
+    before = [backend.to_numpy(a[c]).copy() for c in caches]
+    with pytest.raises(ValueError, match=rf"^{first} and {second} share memory"):
+        call(**change(a))
+    for c, b in zip(caches, before):
+        assert_bytes_equal(backend.to_numpy(a[c]), b, f"{c} after a rejected call")
+
+
+@pytest.mark.parametrize("make", [_flash_args, _vllm_args, _mla_args], ids=["flash", "vllm", "mla"])
+def test_cache_writes_name_a_missing_array(make):
+    """None for any array is a TypeError naming it (before: an AttributeError on None.ndim)."""
+    a, call = make(Backend("sim"))
+    for name in a:
+        with pytest.raises(TypeError, match=rf"^{name} must be a numpy or cupy array"):
+            call(**{name: None})
+
+
+def test_layouts_give_numpys_exact_overlap():
+    """check_no_overlap's path for device arrays: numpy's exact test on a stand-in with the same address,
+    shape and strides agrees with the test on the arrays themselves."""
+    kv = np.zeros((6, 2, 8, 4, 64), np.float16)
+    qkv = np.zeros((10, 12, 64), np.float16)
+    pairs = [(kv[:, 0], kv[:, 1]), (kv[:, 0], kv[:, 0, 1:]), (kv[:, 1], kv[:, 1, ::-1]), (qkv[:, :8], qkv[:, 8:10]),
+             (qkv[:, :8], qkv[:, 7:9]), (kv, qkv), (kv[:0], kv)]
+    for a, b in pairs:
+        assert np.shares_memory(_cache_args.layout(a), _cache_args.layout(b)) == np.shares_memory(a, b)

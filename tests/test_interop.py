@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 import inspect
 import sys
 
@@ -59,7 +60,7 @@ def _foreign(value, i=0):
     if isinstance(value, list):
         return [_foreign(v, i + j) for j, v in enumerate(value)]
     if isinstance(value, np.ndarray) and value.dtype == ml_dtypes.bfloat16:  # as torch.bfloat16 exports it
-        return _BFloat16DLPack(value.view(np.uint16))
+        return _RawDLPack(value.view(np.uint16))
     if isinstance(value, np.ndarray):
         return (ArrayInterface, DLPackOnly, TorchLikeCpu)[i % 3](value)
     return value
@@ -94,39 +95,71 @@ def test_plans_and_views_pass_on_the_fast_path():
     assert {cupaged.AttentionPlan, cupaged.KvView} <= plain
 
 
-class _BFloat16DLPack:
-    """A CPU DLPack producer of a bfloat16 tensor (what torch.bfloat16 exports): numpy's from_dlpack
-    refuses its dtype code, so cupaged reads the capsule itself. Records its deleter's calls."""
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
 
-    def __init__(self, bits: np.ndarray):
-        self.bits, self.deleted = bits, 0
-        self.shape = (ctypes.c_int64 * bits.ndim)(*bits.shape)
-        self.strides = (ctypes.c_int64 * bits.ndim)(*(s // 2 for s in bits.strides))
-        self.deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))(self._delete)
-        self.managed = _DLManagedTensor()
-        t = self.managed.dl_tensor
-        t.data, t.device_type, t.ndim, t.code, t.bits, t.lanes = bits.ctypes.data, 1, bits.ndim, 4, 16, 1
-        t.shape, t.strides = self.shape, self.strides
-        self.managed.deleter = self.deleter
+
+class _DLManagedTensorVersioned(ctypes.Structure):  # DLPack >= 1.0
+    pass
+
+
+_DLManagedTensorVersioned._fields_ = [
+    ("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+    ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensorVersioned))), ("flags", ctypes.c_uint64),
+    ("dl_tensor", _interop._DLTensor)]
+
+
+class _RawDLPack:
+    """A CPU DLPack producer of a tensor of DLPack type ``code`` (4: bfloat16, as torch exports torch.bfloat16)
+    over ``data``'s bytes: a versioned capsule ("dltensor_versioned") when the consumer asks with max_version
+    >= (1, 0), as numpy's from_dlpack does, the legacy "dltensor" one otherwise. numpy refuses these codes as it
+    refuses torch's bfloat16 (numpy 2: RuntimeError "Unsupported dtype in DLTensor.", not a BufferError), so
+    cupaged reads the capsule itself. Counts its deleter's calls; the capsules carry no destructor, so a tensor
+    numpy refused stays unreleased (the producer keeps the memory alive either way)."""
+
+    def __init__(self, data: np.ndarray, code: int = 4):
+        self.data, self.code, self.deleted, self.asked = data, code, 0, []
+        self.shape = (ctypes.c_int64 * data.ndim)(*data.shape)
+        self.strides = (ctypes.c_int64 * data.ndim)(*(s // data.itemsize for s in data.strides))
+        self.tensors = []  # every managed tensor handed out, and its deleter, alive as long as the producer
 
     def _delete(self, _):
         self.deleted += 1
 
-    def __dlpack__(self, **kwargs):
-        if kwargs.get("max_version") is not None:  # a versioned capsule: numpy asks first and refuses bf16
-            raise BufferError("bfloat16 is not supported by numpy")
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.asked.append(max_version)
+        versioned = max_version is not None and max_version[0] >= 1
+        kind = _DLManagedTensorVersioned if versioned else _DLManagedTensor
+        managed = kind()
+        if versioned:
+            managed.version.major, managed.version.minor = 1, 0
+        managed.deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(kind))(self._delete)
+        t = managed.dl_tensor
+        t.data, t.device_type, t.ndim = self.data.ctypes.data, 1, self.data.ndim
+        t.code, t.bits, t.lanes = self.code, 8 * self.data.itemsize, 1
+        t.shape, t.strides = self.shape, self.strides
+        self.tensors.append((managed, managed.deleter))
         new = ctypes.pythonapi.PyCapsule_New
         new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        return new(ctypes.addressof(self.managed), b"dltensor", None)
+        return new(ctypes.addressof(managed), b"dltensor_versioned" if versioned else b"dltensor", None)
 
     def __dlpack_device__(self):
         return (1, 0)
 
 
+def test_the_bfloat16_producer_is_refused_by_numpy_as_torchs_tensors_are():
+    """The stand-in is faithful: numpy's own from_dlpack asks for a versioned capsule and refuses the dtype
+    with the error torch's bfloat16 tensors get (not the BufferError cupaged caught before)."""
+    producer = _RawDLPack(np.zeros((2, 3), np.uint16))
+    with pytest.raises(RuntimeError, match="Unsupported dtype in DLTensor"):
+        np.from_dlpack(producer)
+    assert producer.asked[0] >= (1, 0)
+
+
 def test_bfloat16_dlpack_on_the_cpu_is_a_view():
     values = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
     bits = values.view(np.uint16).copy()
-    producer = _BFloat16DLPack(bits[:, 1:])  # strided: the view must follow the producer's strides
+    producer = _RawDLPack(bits[:, 1:])  # strided: the view must follow the producer's strides
     view = as_native("q", producer)
     assert view.dtype == ml_dtypes.bfloat16 and view.shape == (3, 3)
     assert np.array_equal(view.astype(np.float32), values[:, 1:].astype(np.float32))
@@ -135,7 +168,46 @@ def test_bfloat16_dlpack_on_the_cpu_is_a_view():
     assert producer.deleted == 0
     del view
     gc.collect()
-    assert producer.deleted == 1  # the tensor is released exactly once, when the view dies
+    assert producer.deleted == 1  # the tensor cupaged took is released exactly once, when the view dies
+
+
+def test_other_dtypes_numpy_refuses_are_type_errors_naming_the_argument():
+    float8 = _RawDLPack(np.zeros(4, np.uint8), code=10)  # kDLFloat8_e4m3fn: neither numpy's nor bfloat16
+    with pytest.raises(TypeError, match=r"^q \(_RawDLPack, __dlpack__ on the CPU\) cannot be viewed.*code 10, 8 bits"):
+        as_native("q", float8)
+
+
+if importlib.util.find_spec("torch") is not None:  # torch is no dependency: checked against it where installed
+    @pytest.mark.parametrize("kind", ["contiguous", "strided", "transposed", "float16"])
+    def test_torch_cpu_tensors_are_views(kind):
+        """Real torch CPU tensors: bfloat16 ones contiguous, strided and transposed (numpy refuses them:
+        cupaged reads the capsule), and a float16 one numpy takes itself."""
+        import torch
+
+        base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+        tensor = {"contiguous": base.to(torch.bfloat16), "strided": base.to(torch.bfloat16)[:, 1::2],
+                  "transposed": base.to(torch.bfloat16).T, "float16": base.to(torch.float16)}[kind]
+        view = as_native("q", tensor)
+        assert view.dtype == (np.float16 if kind == "float16" else ml_dtypes.bfloat16)
+        assert view.shape == tuple(tensor.shape)
+        assert np.array_equal(view.astype(np.float32), tensor.float().numpy())
+        view[0, 0] = 100.0
+        assert tensor[0, 0].item() == 100.0  # the same memory
+
+    def test_torch_bfloat16_cpu_tensors_run_an_op_in_place():
+        import torch
+
+        rng = np.random.default_rng(0)
+        key, value = (torch.from_numpy(rng.standard_normal((5, 2, 64)).astype(np.float32)).to(torch.bfloat16)
+                      for _ in range(2))
+        key_cache, value_cache = (torch.full((4, 16, 2, 64), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+        slots = torch.tensor([3, 17, -1, 40, 63])
+        as_numpy = lambda t: t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # noqa: E731
+        want_k, want_v = cupaged.reference.reshape_and_cache_flash(as_numpy(key), as_numpy(value), as_numpy(key_cache),
+                                                                   as_numpy(value_cache), slots.numpy())
+        cupaged.reshape_and_cache_flash(key, value, key_cache, value_cache, slots)
+        assert np.array_equal(as_numpy(key_cache).view(np.uint16), want_k.view(np.uint16))
+        assert np.array_equal(as_numpy(value_cache).view(np.uint16), want_v.view(np.uint16))
 
 
 class CudaArrayInterface:

@@ -74,6 +74,28 @@ def test_bad_arguments(kwargs, exc, message):
                 args.pop("head_size"), args.pop("dtype"), **args)
 
 
+def test_a_cache_larger_than_memory_names_num_blocks_and_what_it_needs():
+    """The sim fills every byte of its caches (poison), so a cache past the host's memory is refused before
+    anything is allocated (before: a bare OSError from mmap, or the process killed while filling)."""
+    with pytest.raises(MemoryError, match=r"^KVCache: num_blocks=1099511627776 needs 64.0 PiB \(2 layers x 2 caches "
+                                          r"x 16.0 PiB\), more than the host's .* of memory the sim's caches live in; "
+                                          r"lower num_blocks \(KVCache.num_blocks_for\)") as e:
+        KVCache(2, 2**40, 16, 8, 64, np.float16, xp=sim)
+    assert isinstance(e.value, ValueError)  # num_blocks is the argument to change
+
+
+def test_a_failed_allocation_names_num_blocks(monkeypatch):
+    """An allocation that fails anyway (mmap refused, cupy out of GPU memory) says which cache and how much."""
+    def refuse(shape, dtype):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(sim, "empty", refuse)
+    with pytest.raises(MemoryError, match=r"^KVCache: num_blocks=4 needs 128.0 KiB \(2 layers x 2 caches x 32.0 KiB\); "
+                                          r"allocating them failed \(OSError: \[Errno 12\] Cannot allocate memory\); "
+                                          r"lower num_blocks \(KVCache.num_blocks_for\)"):
+        KVCache(2, 4, 16, 2, 64, np.float32, xp=sim)
+
+
 def test_layer_index_and_sizing_errors():
     cache = KVCache(2, 4, 16, 2, 64, np.float32, xp=sim)
     with pytest.raises(IndexError, match=r"layer must be in 0..1, got 2"):

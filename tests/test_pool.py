@@ -334,6 +334,18 @@ BAD_CALLS = [
     (lambda p: p.plan_decode(["a", "a"]), ValueError, "more than once"),
     (lambda p: p.plan_decode([["a"]]), ValueError, "1-D"),
     (lambda p: p.plan_decode(["a", "b"], [1]), ValueError, "one id per sequence"),
+    # an unhashable id names its argument (before: a bare "unhashable type: 'list'")
+    (lambda p: p.append(["x"], 1), TypeError, r"^append seq_id must be hashable, got list \['x'\]"),
+    (lambda p: p.plan([("a", 1), (["x"], 1)]), TypeError, r"^batch\[1\] seq_id must be hashable"),
+    (lambda p: p.fork("a", ["c"]), TypeError, "^child_id must be hashable"),
+    (lambda p: p.fork(["a"], "c"), TypeError, "^parent_id must be hashable"),
+    (lambda p: p.free(["a"]), TypeError, "^seq_id must be hashable"),
+    (lambda p: p.seq_len({"a"}), TypeError, "^seq_id must be hashable, got set"),
+    (lambda p: p.block_table(["a"]), TypeError, "^seq_id must be hashable"),
+    (lambda p: p.num_cached_tokens(["a"]), TypeError, "^seq_id must be hashable"),
+    (lambda p: ["a"] in p, TypeError, "^seq_id must be hashable"),
+    (lambda p: p.plan_decode(np.array([["a"], "b"], dtype=object)), TypeError,
+     "^each of seq_ids must be hashable, got list"),
 ]
 
 
@@ -364,6 +376,14 @@ def test_freeing_twice_raises():
 def test_bad_pool_arguments(args, kwargs, exc):
     with pytest.raises(exc):
         BlockPool(*args, **kwargs)
+
+
+def test_num_blocks_past_int32_block_ids_names_it():
+    """Block tables hold int32 block ids (before: BlockPool(2**40, 4) tried to allocate 4 TiB and failed in
+    numpy without naming num_blocks)."""
+    with pytest.raises(ValueError, match=r"^num_blocks must be <= 2147483647 \(block tables hold int32 block ids\), "
+                                         r"got 1099511627776"):
+        BlockPool(2**40, 4)
 
 
 # -- stateful: random steps against a model of every sequence's tokens --------------------------

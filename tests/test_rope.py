@@ -145,20 +145,42 @@ BAD = {
                                 "positions\\[4\\]"),
     "slot past the pool": (lambda a: {"slot_mapping": np.array([0, 1, 2, 3, 64], np.int64)}, ValueError,
                            "slot_mapping"),
+    # the arguments by their own names, k and v (before: "key", "value")
+    "v dtype": (lambda a: {"v": a["v"].astype(np.float32)}, TypeError, "^v must have k's dtype float16"),
+    "k ndim": (lambda a: {"k": a["k"].reshape(5, -1)}, ValueError, "^k must be 3-D"),
+    "v last dim strided": (lambda a: {"v": a["scratch"][:, :2, ::2]}, ValueError, "^v must be contiguous"),
+    # arrays the kernel writes while it reads or writes another (before: accepted, the results corrupted)
+    "k is q": (lambda a: {"q": a["k"]}, ValueError, "^q and k share memory"),
+    "k overlaps q": (lambda a: {"q": a["scratch"][:, :4, :64], "k": a["scratch"][:, 3:5, :64]}, ValueError,
+                     "^q and k share memory"),
+    "k a view of key_cache": (lambda a: {"k": a["key_cache"].reshape(-1, 2, 64)[:5]}, ValueError,
+                              "^k and key_cache share memory"),
+    "v a view of value_cache": (lambda a: {"v": a["value_cache"].reshape(-1, 2, 64)[3:8]}, ValueError,
+                                "^value_cache and v share memory"),
+    "value_cache is key_cache": (lambda a: {"value_cache": a["key_cache"]}, ValueError,
+                                 "^key_cache and value_cache share memory"),
+    "v overlaps q": (lambda a: {"q": a["scratch"][:, :4, :64], "v": a["scratch"][:, 2:4, :64]}, ValueError,
+                     "^q and v share memory"),
+    # a missing array (before: AttributeError on None.ndim)
+    **{f"{name} None": (lambda a, name=name: {name: None}, TypeError, f"^{name} must be a numpy or cupy array")
+       for name in ("q", "k", "v", "positions", "cos_sin_cache", "key_cache", "value_cache", "slot_mapping")},
 }
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
 def test_bad_input_raises_before_any_write(backend, case):
     change, exc, match = BAD[case]
-    a = _valid(backend)
-    a.update(change(a))
-    before = {n: x.copy() for n, x in a.items() if isinstance(x, np.ndarray)}
-    a = {n: backend.asarray(x) if isinstance(x, np.ndarray) else x for n, x in a.items()}
+    a = {n: backend.asarray(x) for n, x in _valid(backend).items()}
+    a["scratch"] = backend.asarray(np.zeros((5, 8, 128), F16))  # a change may take views of it, or of the arguments
+    changed = change(a)
+    del a["scratch"]
+    a.update({n: backend.asarray(x) if isinstance(x, np.ndarray) else x for n, x in changed.items()})
+    before = {n: backend.to_numpy(a[n]).copy() for n in ("q", "k", "key_cache", "value_cache") if a[n] is not None}
     with pytest.raises(exc, match=match):
         cupaged.rope_and_cache(**a, validate=True)
     for n in ("q", "k", "key_cache", "value_cache"):
-        assert np.array_equal(backend.to_numpy(a[n]).view(np.uint8), before[n].view(np.uint8)), n
+        if a[n] is not None:
+            assert np.array_equal(backend.to_numpy(a[n]).view(np.uint8), before[n].view(np.uint8)), n
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -168,7 +190,38 @@ def test_bad_input_raises_before_any_write(backend, case):
     (dict(head_dim=1024), NotImplementedError, "rotary_dim"),
     (dict(head_dim=64, scaling={"rope_type": "yarn", "factor": 4.0}), NotImplementedError, "yarn"),
     (dict(head_dim=64, scaling={"rope_type": "llama3", "factor": 8.0}), ValueError, "low_freq_factor"),
+    # Hugging Face's rules for Llama 3 (before: accepted; low > high blends the band backwards, equal divides by 0)
+    (dict(head_dim=64, scaling={**LLAMA3, "low_freq_factor": 4.0, "high_freq_factor": 1.0}), ValueError,
+     r"scaling\['high_freq_factor'\] must be greater than scaling\['low_freq_factor'\], got 1.0 and 4.0"),
+    (dict(head_dim=64, scaling={**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 2.0}), ValueError,
+     r"scaling\['high_freq_factor'\] must be greater"),
+    (dict(head_dim=64, scaling={**LLAMA3, "factor": 0.5}), ValueError, r"scaling\['factor'\] must be >= 1"),
+    (dict(head_dim=64, scaling={**LLAMA3, "original_max_position_embeddings": 8192.5}), TypeError,
+     r"scaling\['original_max_position_embeddings'\] must be an int"),
+    (dict(head_dim=64, scaling={**LLAMA3, "original_max_position_embeddings": 0}), ValueError,
+     r"scaling\['original_max_position_embeddings'\] must be >= 1"),
 ])
 def test_rotary_embedding_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         cupaged.RotaryEmbedding(**kwargs)
+
+
+@pytest.mark.parametrize("overlap", ["k is q", "k overlaps q"])
+def test_rotary_embedding_rejects_q_and_k_sharing_memory(backend, overlap):
+    """q and k are rotated in place in one launch: one array as both, or overlapping views, rotate the shared
+    elements twice (before: accepted). A ValueError naming both; nothing rotated. Disjoint views of one fused
+    buffer pass (test_rotary_embedding_rotates_q_and_k_in_place)."""
+    fused = backend.asarray(np.random.default_rng(0).standard_normal((5, 6, 64)).astype(F16))
+    before = backend.to_numpy(fused).copy()
+    q, k = (fused[:, :2], fused[:, :2]) if overlap == "k is q" else (fused[:, :4], fused[:, 3:5])
+    with pytest.raises(ValueError, match="^q and k share memory"):
+        cupaged.RotaryEmbedding(64)(backend.asarray(np.arange(5)), q, k)
+    assert np.array_equal(backend.to_numpy(fused).view(np.uint8), before.view(np.uint8))
+
+
+def test_rotary_embedding_names_a_missing_array():
+    emb, q = cupaged.RotaryEmbedding(64), np.zeros((5, 4, 64), F16)
+    for name, args in (("positions", (None, q, q[:, :2])), ("q", (np.arange(5), None, q[:, :2])),
+                       ("k", (np.arange(5), q, None))):
+        with pytest.raises(TypeError, match=f"^{name} must be a numpy or cupy array"):
+            emb(*args)

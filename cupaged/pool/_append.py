@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from cupaged._checks import check_int
+from cupaged.pool._sequence_table import check_hashable
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ def token_id_array(name: str, token_ids) -> np.ndarray:
 
 
 def request(name: str, seq_id, num_tokens, token_ids) -> Request:
+    check_hashable(f"{name} seq_id", seq_id)
     if token_ids is None:
         if num_tokens is None:
             raise TypeError(f"{name}: give num_tokens or token_ids")

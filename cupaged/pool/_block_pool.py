@@ -13,9 +13,11 @@ from cupaged._checks import check_bool
 from cupaged.pool import _append
 from cupaged.pool._allocator import BlockAllocator
 from cupaged.pool._batch_plan import BatchPlan, PinnedStaging
-from cupaged.pool._sequence_table import SequenceTable
+from cupaged.pool._sequence_table import SequenceTable, check_hashable
 
 __all__ = ["BlockPool", "PoolUsage"]
+
+_MAX_BLOCKS = 2**31 - 1  # block tables are int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,9 @@ class BlockPool:
                  max_blocks_per_seq: int | None = None):
         if _append.count("num_blocks", num_blocks) < 1 or _append.count("block_size", block_size) < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        if num_blocks > _MAX_BLOCKS:
+            raise ValueError(f"num_blocks must be <= {_MAX_BLOCKS} (block tables hold int32 block ids), "
+                             f"got {num_blocks}")
         if max_blocks_per_seq is not None and _append.count("max_blocks_per_seq", max_blocks_per_seq) < 1:
             raise ValueError(f"max_blocks_per_seq must be >= 1 or None, got {max_blocks_per_seq}")
         self._alloc = BlockAllocator(int(num_blocks))
@@ -62,7 +67,11 @@ class BlockPool:
         return len(self._seqs.rows)
 
     def __contains__(self, seq_id) -> bool:
-        return seq_id in self._seqs.rows
+        try:
+            return seq_id in self._seqs.rows
+        except TypeError:
+            check_hashable("seq_id", seq_id)
+            raise
 
     def seq_len(self, seq_id) -> int:
         return int(self._seqs.lens[self._seqs.row(seq_id)])
@@ -139,7 +148,8 @@ class BlockPool:
         sampling, beam search. Fork between steps: the child sees the cache as it is once the
         step's copies and writes have run."""
         s = self._seqs
-        parent = s.row(parent_id)
+        parent = s.row(parent_id, "parent_id")
+        check_hashable("child_id", child_id)
         if child_id in s.rows:
             raise ValueError(f"child_id {child_id!r} is already a sequence of the pool")
         child = s.fork_row(parent, child_id)

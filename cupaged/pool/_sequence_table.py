@@ -16,6 +16,14 @@ from cupaged.pool._decode_step import DecodeBatch
 _ROWS = 8
 
 
+def check_hashable(name: str, seq_id) -> None:
+    """Sequence ids are dict keys: an unhashable one is a TypeError naming the argument."""
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise TypeError(f"{name} must be hashable, got {type(seq_id).__name__} {seq_id!r}") from None
+
+
 def _grown(a: np.ndarray, rows: int, width: int | None = None) -> np.ndarray:
     out = np.zeros((rows,) + ((width,) if width is not None else a.shape[1:]), a.dtype)
     out[tuple(slice(0, n) for n in a.shape)] = a
@@ -40,11 +48,14 @@ class SequenceTable:
 
     # -- rows ---------------------------------------------------------------------------------
 
-    def row(self, seq_id) -> int:
+    def row(self, seq_id, name: str = "seq_id") -> int:
         try:
             return self.rows[seq_id]
         except KeyError:
             raise KeyError(f"seq_id {seq_id!r} is not a sequence of the pool") from None
+        except TypeError:
+            check_hashable(name, seq_id)
+            raise
 
     def seq_id_of(self, row: int):
         return self._ids[row]
@@ -97,7 +108,7 @@ class SequenceTable:
             raise ValueError(f"seq_ids must be 1-D, got shape {ids.shape}")
         if self._decode is not None and self._decode.matches(self, ids):
             return self._decode
-        rows = np.fromiter((self.row(x) for x in ids.tolist()), np.int64, ids.size)
+        rows = np.fromiter((self.row(x, "each of seq_ids") for x in ids.tolist()), np.int64, ids.size)
         if np.unique(rows).size != rows.size:
             _, first, counts = np.unique(rows, return_index=True, return_counts=True)
             raise ValueError(f"seq_ids holds {ids[first[np.argmax(counts > 1)]]!r} more than once")
