@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+DESCRIPTION = ("cupaged's commands: demo serves requests on a tiny decoder, selftest runs every kernel against its "
+               "reference, resources is the NVRTC compile gate. Each takes --help.")
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupaged", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cupaged", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     # no help of its own: `demo --help` reaches cupaged.demo.cli, which lists its options
     sub.add_parser("demo", add_help=False, help="serve requests on a tiny decoder with continuous batching "

@@ -1,5 +1,6 @@
 """What :mod:`cupaged.layers` computes around the kernels: the projections, RMSNorm, the RoPE cos / sin cache,
-a batch plan's arrays on the device, and cross attention's per-request context keys and values."""
+a batch plan's arrays on the device and the checks of its contents, and cross attention's per-request context
+keys and values."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import weakref
 
 import numpy as np
 
-from cupaged._backend import module_of, upload
+from cupaged._attention_args import check_hint, validate_offsets, validate_tables
+from cupaged._backend import host_copy, module_of, upload
+from cupaged._cache_args import check_slots_in_pool
 
-__all__ = ["ContextCache", "linear", "rms_norm", "rope_cache", "device_plan"]
+__all__ = ["ContextCache", "linear", "rms_norm", "rope_cache", "rope_positions", "check_positions", "device_plan",
+           "validate_plan", "whole_sequences"]
 
 _DEVICE_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host BatchPlan -> {xp: its upload}
 _ROPE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # RotaryEmbedding -> {xp: cos_sin}
@@ -37,14 +41,31 @@ def _xp_key(xp):
     return "numpy" if xp is np else ("cupy", xp.cuda.Device().id)
 
 
-def rope_cache(rope, max_seq_len: int, xp):
-    """``rope.cos_sin_cache`` covering positions below ``max_seq_len``, on xp's device: grown by doubling, shared
+def rope_positions(plan, block_size: int) -> int:
+    """How many positions the layer's cos / sin cache covers for ``plan``: as many as its block tables hold. A
+    sequence's positions lie below its seq_len, which its table must hold; a bound from shapes, not from the
+    max_seq_len hint, so an understated hint never makes the kernel read past the cache."""
+    return max(plan.block_tables.shape[1] * block_size, 1)
+
+
+def check_positions(plan, block_size: int) -> None:
+    """Every position of ``plan`` in what the cos / sin cache covers, ``rope_positions`` (reads a device array)."""
+    num_positions, pos = rope_positions(plan, block_size), host_copy(plan.positions)
+    bad = np.flatnonzero((pos < 0) | (pos >= num_positions))
+    if bad.size:
+        raise ValueError(f"plan.positions[{bad[0]}] = {pos[bad[0]]} is outside the layer's RoPE cos / sin cache: "
+                         f"positions must be in [0, {num_positions}), the {plan.block_tables.shape[1]} blocks of "
+                         f"{block_size} tokens a row of plan.block_tables holds")
+
+
+def rope_cache(rope, num_positions: int, xp):
+    """``rope.cos_sin_cache`` covering positions below ``num_positions``, on xp's device: grown by doubling, shared
     by every layer holding the same :class:`cupaged.RotaryEmbedding`."""
     per_xp = _ROPE_CACHES.setdefault(rope, {})
     key = _xp_key(xp)
     have = per_xp.get(key)
-    if have is None or have.shape[0] < max_seq_len:
-        n = max(64, 1 << max(int(max_seq_len) - 1, 1).bit_length())
+    if have is None or have.shape[0] < num_positions:
+        n = max(64, 1 << max(int(num_positions) - 1, 1).bit_length())
         table = rope.cos_sin_cache(n)
         if xp is np:
             from cupaged import sim
@@ -67,6 +88,39 @@ def device_plan(plan, xp):
 
         per_xp[key] = plan.to_device(sim if xp is np else xp)
     return per_xp[key]
+
+
+def validate_plan(plan, num_tokens: int, num_blocks: int | None = None, block_size: int | None = None) -> None:
+    """validate=True: ``plan``'s contents (reads device arrays). query_start_loc starts at 0, never decreases and
+    ends at ``num_tokens``, every q_len <= seq_len, and the max_query_len / max_seq_len hints hold them; for a
+    paged layer (``num_blocks`` given) also the block tables and slot_mapping against the cache's ``num_blocks``
+    blocks of ``block_size``."""
+    if num_blocks is not None:
+        validate_tables(plan.block_tables, plan.seq_lens, plan.query_start_loc, num_blocks, block_size, num_tokens,
+                        max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
+        check_slots_in_pool(plan.slot_mapping, num_blocks * block_size, f"the cache's {num_blocks} blocks x "
+                                                                         f"{block_size} slots")
+        return
+    q_lens = validate_offsets("query_start_loc", plan.query_start_loc, num_tokens)
+    lens = host_copy(plan.seq_lens)
+    over = np.flatnonzero(q_lens > lens)
+    if over.size:
+        s = over[0]
+        raise ValueError(f"every sequence needs q_len <= seq_len (query_start_loc against seq_lens): sequence {s} "
+                         f"has {q_lens[s]} queries and seq_lens[{s}] = {lens[s]}")
+    if q_lens.size:
+        check_hint("max_query_len", plan.max_query_len, int(q_lens.max()),
+                   f"the longest query, sequence {int(q_lens.argmax())}'s")
+
+
+def whole_sequences(plan, validate: bool) -> None:
+    """"full" attention runs once over whole sequences: every sequence's new tokens are all its tokens (checked on
+    a host plan, and on a device plan under validate)."""
+    if not (validate or isinstance(plan.seq_lens, np.ndarray)):
+        return
+    if not np.array_equal(np.diff(host_copy(plan.query_start_loc)), host_copy(plan.seq_lens)):
+        raise ValueError("attn_type='full' attends over whole sequences in one pass: every sequence of plan must "
+                         "have q_len == seq_len (no cached prefix, no decode)")
 
 
 class ContextCache:

@@ -21,11 +21,12 @@ import numpy as np
 
 from cupaged._attention_args import MAX_HEAD_SIZE, check_tables
 from cupaged._backend import array_module, module_of
-from cupaged._checks import check_bool, check_choice, check_float, check_int, float_dtype
+from cupaged._checks import check_bool, check_choice, check_float, check_int, float_dtype, validate_enabled
 from cupaged.attention import KvView, plan_attention, run_attention
 from cupaged.cache_ops import reshape_and_cache_flash
 from cupaged.kv_cache import KVCache
-from cupaged.layer_ops import ContextCache, device_plan, linear, rms_norm, rope_cache
+from cupaged.layer_ops import ContextCache, check_positions, device_plan, linear, rms_norm, rope_cache, \
+    rope_positions, validate_plan, whole_sequences
 from cupaged.rope import RotaryEmbedding, rope_and_cache
 from cupaged.varlen_attention import varlen_attention
 
@@ -112,12 +113,15 @@ class Attention:
 
     # -- forward ----------------------------------------------------------------------------------
 
-    def forward(self, x, plan, kv_cache=None, layer=0, context=None):
+    def forward(self, x, plan, kv_cache=None, layer=0, context=None, *, validate=None):
         """``x`` ``[num_tokens, dim]``, the step's tokens in ``plan``'s order (a :class:`cupaged.BatchPlan`, host
         or device); ``kv_cache``: a :class:`cupaged.KVCache` (NHD / HND) for ``"self"``, a :class:`ContextCache`
         (or None: nothing kept) for ``"cross"``, unused by ``"full"``; ``layer``: its layer index. ``context``
         (cross only): ``{seq_id: [context_len, context_dim]}`` for the sequences whose context is new this step.
-        Returns ``[num_tokens, dim]``."""
+        ``validate`` (None: the CUPAGED_VALIDATE environment variable decides): check the plan's contents before
+        anything is written (query_start_loc against seq_lens and the tokens, the hints, block tables and
+        slot_mapping against the cache, positions against the RoPE cos / sin cache), as the ops do. A host plan's
+        positions are checked always. Returns ``[num_tokens, dim]``."""
         w = self.weights
         if not w:
             raise RuntimeError("Attention.forward: call load_state_dict first")
@@ -133,15 +137,23 @@ class Attention:
         if context is not None and self.attn_type != "cross":
             raise ValueError(f"context is cross attention's; this layer's attn_type is {self.attn_type!r}")
         check_tables(plan.block_tables, plan.seq_lens, plan.query_start_loc, x.shape[0])
-        if self.attn_type == "full":
-            _whole_sequences(plan)
-        elif self.attn_type == "self":
+        validate = validate_enabled(validate)
+        if self.attn_type == "self":
             cache = self._cache_arrays(kv_cache, layer, plan, xp)
+            if validate:
+                validate_plan(plan, x.shape[0], kv_cache.num_blocks, kv_cache.block_size)
+            if self.rope is not None and (validate or isinstance(plan.positions, np.ndarray)):
+                check_positions(plan, kv_cache.block_size)
         else:
-            if kv_cache is not None and not isinstance(kv_cache, ContextCache):
-                raise TypeError(f"kv_cache must be a cupaged.layers.ContextCache or None for attn_type='cross', "
-                                f"got {type(kv_cache).__name__}")
-            layer = check_int("layer", layer, 0)
+            if self.attn_type == "cross":
+                if kv_cache is not None and not isinstance(kv_cache, ContextCache):
+                    raise TypeError(f"kv_cache must be a cupaged.layers.ContextCache or None for attn_type='cross', "
+                                    f"got {type(kv_cache).__name__}")
+                layer = check_int("layer", layer, 0)
+            if validate:
+                validate_plan(plan, x.shape[0])
+            if self.attn_type == "full":
+                whole_sequences(plan, validate)
         plan = device_plan(plan, xp)
         t = x.shape[0]
         if self.attn_type == "cross":
@@ -156,15 +168,16 @@ class Attention:
         out = xp.empty((t, self.n_heads, self.head_dim), self.dtype)
         if t:
             if self.attn_type == "self":
-                self._paged(q, k, v, plan, kv_cache, cache, out)
+                self._paged(q, k, v, plan, kv_cache, cache, out, validate)
             elif self.attn_type == "full":
                 if self.rope is not None:
                     self.rope(plan.positions, q, k)
                 varlen_attention(q, k, v, plan.query_start_loc, plan.query_start_loc, causal=False,
-                                 max_seqlen_q=plan.max_query_len, max_seqlen_k=plan.max_query_len, out=out)
+                                 max_seqlen_q=plan.max_query_len, max_seqlen_k=plan.max_query_len, out=out,
+                                 validate=validate)
             else:
                 varlen_attention(q, k, v, plan.query_start_loc, cu_k, causal=False,
-                                 max_seqlen_q=plan.max_query_len, max_seqlen_k=max_k, out=out)
+                                 max_seqlen_q=plan.max_query_len, max_seqlen_k=max_k, out=out, validate=validate)
         if self.attn_type == "cross" and kv_cache is not None:  # kept once the step has run
             for seq_id, (ck, cv) in fresh.items():
                 kv_cache.put(seq_id, layer, ck, cv)
@@ -210,7 +223,7 @@ class Attention:
             raise TypeError("kv_cache lives on another backend than x (numpy arrays: the sim; cupy: the GPU)")
         return key, value
 
-    def _paged(self, q, k, v, plan, kv_cache, cache, out):
+    def _paged(self, q, k, v, plan, kv_cache, cache, out, validate):
         key, value = cache
         kvd, layout = kv_cache.kv_cache_dtype, kv_cache.layout
         kv = KvView.paged(key, value, q, kvd, layout)  # planned before the cache write: a plan that raises
@@ -218,11 +231,11 @@ class Attention:
                               max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
         if self.rope is None:
             reshape_and_cache_flash(k, v, key, value, plan.slot_mapping, kvd, self.k_scale, self.v_scale,
-                                    layout=layout)
+                                    layout=layout, validate=validate)
         else:
-            cos_sin = rope_cache(self.rope, plan.max_seq_len, module_of(q))
+            cos_sin = rope_cache(self.rope, rope_positions(plan, kv_cache.block_size), module_of(q))
             rope_and_cache(q, k, v, plan.positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
-                           self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout)
+                           self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout, validate=validate)
         run_attention(attn, q, kv, out, None, plan.block_tables, plan.seq_lens, plan.query_start_loc,
                       scale=1.0 / math.sqrt(self.head_dim), k_scale=self.k_scale, v_scale=self.v_scale)
 
@@ -266,12 +279,3 @@ class Attention:
 def _check_shape(name, w, shape):
     if getattr(w, "shape", None) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {getattr(w, 'shape', type(w).__name__)}")
-
-
-def _whole_sequences(plan):
-    """"full" attention runs once over whole sequences: every sequence's new tokens are all its tokens."""
-    qsl, lens = plan.query_start_loc, plan.seq_lens
-    if isinstance(lens, np.ndarray) and not np.array_equal(np.diff(qsl), lens):
-        raise ValueError("attn_type='full' attends over whole sequences in one pass: every sequence of plan must "
-                         "have q_len == seq_len (no cached prefix, no decode)")
-

@@ -3,11 +3,14 @@ and at the end teacher-forced against the float64 forward (cupaged.reference.lay
 
 from __future__ import annotations
 
+import errno
+import re
 import threading
 
 import numpy as np
 import pytest
 
+from cupaged.__main__ import main as cupaged_main
 from cupaged.demo import cli
 from cupaged.demo.engine import drop_cached
 from cupaged.pool import BlockPool
@@ -126,3 +129,124 @@ def test_other_seeds_pools_and_budgets_serve_every_request_correctly(seed, block
     assert {r.seq_id: r.generated for r in engine.finished} == wanted
     assert engine.pool.usage().blocks_in_use == 0
     assert cli.verify(engine.finished, weights, config, "float32"), capsys.readouterr().out
+
+
+# A one-layer model of a few dimensions: the flag tests below that serve run in about a second.
+TINY = ["--backend", "sim", "--layers", "1", "--dim", "16", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+        "--hidden", "8", "--vocab", "11", "--requests", "3", "--max-new-tokens", "3", "--system-len", "5",
+        "--prompt-len", "9", "--block-size", "4", "--num-blocks", "16", "--token-budget", "8"]
+
+BAD_FLAGS = {  # id: (flags after TINY, what the one-line error must say)
+    "num-blocks-too-few": (["--num-blocks", "1"], r"argument --num-blocks: 1 is too few for blocks of 4 tokens: "
+                                                  r"request \d+ .* needs (\d+)"),
+    "heads-not-a-multiple-of-kv-heads": (["--heads", "3", "--kv-heads", "2"],
+                                         "--heads 3 must be a multiple of --kv-heads 2"),
+    "head-dim-past-the-kernels": (["--head-dim", "300"], "argument --head-dim: must be even, from 2 to 256, got 300"),
+    "head-dim-odd": (["--head-dim", "7"], "argument --head-dim: must be even, from 2 to 256, got 7"),
+    "head-dim-1": (["--head-dim", "1"], "argument --head-dim: must be even, from 2 to 256, got 1"),
+    "seed-negative": (["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    "requests-0": (["--requests", "0"], "argument --requests: must be at least 1, got 0"),
+    "token-budget-0": (["--token-budget", "0"], "argument --token-budget: must be at least 1, got 0"),
+    "max-new-tokens-0": (["--max-new-tokens", "0"], "argument --max-new-tokens: must be at least 1, got 0"),
+    "layers-negative": (["--layers", "-2"], "argument --layers: must be at least 1, got -2"),
+    "prompt-len-0": (["--prompt-len", "0"], "argument --prompt-len: must be at least 1, got 0"),
+    "system-len-negative": (["--system-len", "-1"], "argument --system-len: must be at least 0, got -1"),
+    "num-blocks-past-int32": (["--num-blocks", str(2**31)], "argument --num-blocks: must be at most 2147483647"),
+    "sizes-past-memory": (["--vocab", str(2**31 - 1), "--dim", "65536"], "these sizes need about .* GiB of memory"),
+    "kv-cache-past-memory": (["--num-blocks", str(2**31 - 1), "--block-size", str(2**31 - 1)],
+                             "these sizes need about .* GiB of memory"),
+    "prompts-past-memory": (["--requests", str(2**31 - 1), "--prompt-len", str(2**31 - 1)],
+                            "these sizes need about .* GiB of memory"),
+    "dim-not-a-number": (["--dim", "1e3"], "argument --dim: invalid count value: '1e3'"),
+    "dtype-float64": (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    "backend-unknown": (["--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
+}
+
+
+def _error_line(err: str) -> str:
+    assert "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS.values(), ids=list(BAD_FLAGS))
+def test_a_bad_flag_is_a_usage_error_not_a_traceback(flags, message, capsys):
+    """Issue 29 §2.8: these ended in a traceback from the model, the engine or numpy."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*TINY, *flags])
+    assert exit_.value.code == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line.startswith("python -m cupaged demo: error: ") and re.search(message, line), line
+
+
+def test_too_few_blocks_names_the_real_minimum(capsys):
+    """The minimum named serves every request (and verifies); one block fewer is refused with the same number."""
+    with pytest.raises(SystemExit):
+        cli.main([*TINY, "--num-blocks", "1"])
+    need = int(re.search(BAD_FLAGS["num-blocks-too-few"][1], capsys.readouterr().err).group(1))
+    with pytest.raises(SystemExit):
+        cli.main([*TINY, "--num-blocks", str(need - 1)])
+    assert f"needs {need}" in _error_line(capsys.readouterr().err)
+    assert cli.main([*TINY, "--num-blocks", str(need), "--verify"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--system-len", "0", "--prompt-len", "1"], ["--vocab", "1"], ["--seed", "7"],
+                                   ["--max-new-tokens", "1", "--requests", "1"]],
+                         ids=["prompt-of-one-token", "vocab-of-one", "seed-7", "one-token-of-one-request"])
+def test_small_but_valid_flags_serve_and_verify(flags, capsys):
+    """--system-len 0 --prompt-len 1 drew a user part of 4 or more tokens from [4, 1] (numpy: low >= high);
+    --vocab 1 --verify took the top two of one logit."""
+    assert cli.main([*TINY, *flags, "--verify"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_backend_cuda_without_a_gpu_is_one_line(capsys):
+    from cupaged._backend import gpu_module
+
+    if gpu_module() is not None:
+        pytest.skip("a GPU is present")
+    assert cli.main([*TINY, "--backend", "cuda"]) == 1
+    line = _error_line(capsys.readouterr().err)
+    assert line.startswith("python -m cupaged demo: error: --backend cuda: ") and len(
+        capsys.readouterr().err.strip().splitlines()) <= 1
+
+
+def test_running_out_of_memory_anyway_is_one_line(monkeypatch, capsys):
+    """Sizes under the estimate whose allocation still fails (the sim's guarded memory: ENOMEM from mmap)."""
+    def kv_cache(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(cli, "KVCache", kv_cache)
+    assert cli.main(TINY) == 1
+    assert "out of memory for these sizes ([Errno 12] Cannot allocate memory)" in _error_line(capsys.readouterr().err)
+
+
+def test_help_shows_every_default_in_plain_text(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "``" not in text
+    for action in cli.parser()._actions:
+        if action.dest != "help":
+            assert f"{action.option_strings[0]}" in text and f"(default: {action.default})" in text, action.dest
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_the_commands_help_is_plain_text(capsys, argv):
+    """`python -m cupaged --help` printed its docstring's ``double backticks``."""
+    with pytest.raises(SystemExit) as exit_:
+        cupaged_main(argv)
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text and "usage: python -m cupaged" in text
+
+
+def test_a_warm_run_says_nothing_of_compiling(served, capsys):
+    """Every kernel is in the compile cache (the fixture's run): the closing table said the first step "compiles
+    kernels not cached yet" on every run; a compile is announced by the compiler's own notice, when one runs."""
+    capsys.readouterr()
+    assert cli.main([*SMALL, "--backend", "sim", "--requests", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "compil" not in (captured.out + captured.err).lower(), captured
+    assert "first step" in captured.out

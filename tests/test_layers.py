@@ -494,10 +494,10 @@ def test_a_head_dim_the_kernels_lack_is_a_clear_error(attn_type):
 def test_plan_attention_names_a_head_size_past_the_buckets():
     """Regression: plan_attention raised a bare StopIteration for head sizes past 256 (the layer reached it)."""
     q = np.ones((3, 2, 320), F32)
-    kv = cupaged.KvView.dense(np.ones((3, 1, 320), F32), np.ones((3, 1, 320), F32))
     cu = np.array([0, 3], np.int32)
-    with pytest.raises(NotImplementedError, match="head_size=320"):
-        cupaged.plan_attention(q, kv, None, cu, cu)
+    with pytest.raises(NotImplementedError, match="head.size.{0,3}320"):
+        cupaged.plan_attention(q, cupaged.KvView.dense(np.ones((3, 1, 320), F32), np.ones((3, 1, 320), F32)), None,
+                               cu, cu)
 
 
 def test_slots_outside_the_cache_are_caught_under_validate(monkeypatch):
@@ -509,7 +509,7 @@ def test_slots_outside_the_cache_are_caught_under_validate(monkeypatch):
     pool, kv = cupaged.BlockPool(16, 16), kv_cache(_SIM, case, 2)
     pool.append("other", 40)  # "a" gets blocks 3 and up
     before = cache_bytes(kv, _SIM)
-    with pytest.raises(ValueError, match="slot"):
+    with pytest.raises(ValueError, match=r"block_tables\[0\] holds block id 4, outside the pool of 2 blocks"):
         attn.forward(np.ones((20, DIM), F32), pool.plan([("a", 20)]), kv, 0)
     assert all(np.array_equal(b, a) for b, a in zip(before, cache_bytes(kv, _SIM)))
 
@@ -538,3 +538,104 @@ def test_rope_variants_and_options_change_the_reference():
     outs["no-qk-norm"] = reference(case, {k: v for k, v in w.items() if "norm" not in k}, x)
     for (a, out_a), (b, out_b) in itertools.combinations(outs.items(), 2):
         assert compare(out_a, out_b, F32).failures > out_a.size // 10, (a, b)
+
+
+def _twelve_and_eight(case, seed):
+    """A layer, a 16-block pool and cache, and the pool's plan of sequences "a" (12 tokens) and "b" (8)."""
+    attn = layer(_SIM, case, weights(np.random.default_rng(seed), case))
+    pool, kv = cupaged.BlockPool(16, 16), kv_cache(_SIM, case, 16)
+    return attn, kv, pool.plan([("a", 12), ("b", 8)]), np.ones((20, DIM), F32)
+
+
+def _with(p, field, index, value):
+    a = getattr(p, field).copy()
+    a[index] = value
+    return {field: a}
+
+
+BAD_CONTENTS = {  # id: (the plan's bad fields from the pool's plan of "a" (12 tokens) and "b" (8), message)
+    "query_start_loc-disagrees-with-seq_lens": (
+        lambda p: {"query_start_loc": np.array([0, 13, 20], np.int32)},
+        r"q_len <= seq_len \(query_start_loc against seq_lens\): sequence 0 has 13 queries and seq_lens\[0\] = 12"),
+    "query_start_loc-not-from-0": (lambda p: _with(p, "query_start_loc", 0, 1), "query_start_loc must start at 0"),
+    "query_start_loc-decreasing": (lambda p: _with(p, "query_start_loc", 1, 21), "query_start_loc .*non-decreasing"),
+    "query_start_loc-short-of-the-tokens": (lambda p: _with(p, "query_start_loc", 2, 19),
+                                            "query_start_loc .*end at 20"),
+    "block_tables-outside-the-cache": (lambda p: _with(p, "block_tables", (1, 0), 16),
+                                       r"block_tables\[1\] holds block id 16, outside the pool of 16 blocks"),
+    "seq_lens-past-the-table": (lambda p: {**_with(p, "seq_lens", 0, 17), "max_seq_len": 17},
+                                r"seq_lens\[0\] = 17 needs 2 blocks, but block_tables has 1 columns"),
+    "max_seq_len-understated": (lambda p: {"max_seq_len": 11}, r"max_seq_len=11 understates seq_lens\[0\]"),
+    "slot_mapping-outside-the-cache": (lambda p: _with(p, "slot_mapping", 5, 256),
+                                       r"slot_mapping\[5\] = 256 is outside the pool"),
+    "positions-negative": (lambda p: _with(p, "positions", 3, -1), r"plan.positions\[3\] = -1"),
+    "positions-past-the-rope-cache": (lambda p: _with(p, "positions", 14, 16), r"plan.positions\[14\] = 16"),
+}
+
+
+@pytest.mark.parametrize("how", ["validate=True", "CUPAGED_VALIDATE=1"])
+@pytest.mark.parametrize("bad, match", BAD_CONTENTS.values(), ids=list(BAD_CONTENTS))
+def test_validate_checks_a_plans_contents_before_any_write(bad, match, how, monkeypatch):
+    """Issue 29 §2.4: query_start_loc [0, 13, 20] for seq_lens [12, 8] gave an output off by several units even
+    under CUPAGED_VALIDATE=1 (the layer's attention checks nothing of the contents). Under validate every content
+    error of the plan is a ValueError naming the array, and the cache is byte-identical afterwards."""
+    monkeypatch.delenv("CUPAGED_VALIDATE", raising=False)
+    kwargs = {"validate": True}
+    if how == "CUPAGED_VALIDATE=1":
+        monkeypatch.setenv("CUPAGED_VALIDATE", "1")
+        kwargs = {}
+    attn, kv, plan, x = _twelve_and_eight(C(heads=(8, 2)), 15)
+    before = cache_bytes(kv, _SIM)
+    with pytest.raises(ValueError, match=match):
+        attn.forward(x, dataclasses.replace(plan, **bad(plan)), kv, 1, **kwargs)
+    assert all(np.array_equal(b, a) for b, a in zip(before, cache_bytes(kv, _SIM))), "the cache was written"
+
+
+def test_validate_is_a_keyword_only_bool():
+    attn, kv, plan, x = _twelve_and_eight(C(heads=(8, 2)), 16)
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        attn.forward(x, plan, kv, 0, validate="yes")
+    with pytest.raises(TypeError):
+        attn.forward(x, plan, kv, 0, None, True)
+
+
+@pytest.mark.parametrize("position", [-1, 16, 1 << 40])
+def test_a_host_plans_positions_past_the_rope_cache_raise_on_the_default_path(position, monkeypatch):
+    """A host plan's positions are on the host: without validate too, one outside what the layer's cos / sin cache
+    covers (here "a"'s table holds 16 positions) is a ValueError naming it, never a silent read past the cache."""
+    monkeypatch.delenv("CUPAGED_VALIDATE", raising=False)
+    attn, kv, plan, x = _twelve_and_eight(C(heads=(8, 2)), 17)
+    before = cache_bytes(kv, _SIM)
+    with pytest.raises(ValueError, match=rf"plan.positions\[3\] = {position} is outside"):
+        attn.forward(x, dataclasses.replace(plan, **_with(plan, "positions", 3, position)), kv, 0)
+    assert all(np.array_equal(b, a) for b, a in zip(before, cache_bytes(kv, _SIM))), "the cache was written"
+
+
+def test_an_understated_max_seq_len_hint_never_reads_past_the_rope_cache(monkeypatch):
+    """The cos / sin cache grew to the max_seq_len hint only: a plan of 80 tokens hinting 16 read rows 64..79 past
+    its 64 (a fault on the sim, silent on a GPU). It now covers what the block tables hold, and the keys written
+    are those of the same plan with the true hint."""
+    monkeypatch.delenv("CUPAGED_VALIDATE", raising=False)
+    case = C(heads=(8, 2))
+    w = weights(np.random.default_rng(18), case)
+    x = np.random.default_rng(19).standard_normal((80, DIM)).astype(F32)
+    written = []
+    for hint in (80, 16):
+        pool, kv = cupaged.BlockPool(8, 16), kv_cache(_SIM, case, 8)
+        plan = pool.plan([("a", 80)])
+        layer(_SIM, case, w).forward(x, dataclasses.replace(plan, max_seq_len=hint), kv, 0)
+        written.append(cache_bytes(kv, _SIM))
+    assert all(np.array_equal(a, b) for a, b in zip(*written))
+
+
+@pytest.mark.parametrize("attn_type", ["full", "cross"])
+def test_validate_checks_the_plan_of_full_and_cross_attention_too(attn_type):
+    case = C(heads=(8, 2))
+    attn = layer(_SIM, case, weights(np.random.default_rng(20), case), attn_type)
+    plan = cupaged.BlockPool(16, 16).plan([("a", 12), ("b", 8)])
+    bad = dataclasses.replace(plan, query_start_loc=np.array([0, 13, 20], np.int32))
+    store = ContextCache()
+    context = {"a": np.ones((3, DIM), F32), "b": np.ones((2, DIM), F32)} if attn_type == "cross" else None
+    with pytest.raises(ValueError, match=r"sequence 0 has 13 queries and seq_lens\[0\] = 12"):
+        attn.forward(np.ones((20, DIM), F32), bad, store, 0, context, validate=True)
+    assert not store.nbytes

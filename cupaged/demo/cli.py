@@ -1,10 +1,12 @@
-"""``python -m cupaged demo [--verify] [sizes]``: serve requests of random prompt lengths on the tiny decoder with
-continuous batching (cupaged/demo/engine.py), a progress bar, and a closing table. ``--verify`` checks every sampled
+"""python -m cupaged demo [--verify] [sizes]: serve requests of random prompt lengths on the tiny decoder with
+continuous batching (cupaged/demo/engine.py), a progress bar, and a closing table. --verify checks every sampled
 position teacher-forced against a float64 numpy forward of the same model on the same token history."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 import time
 
@@ -12,7 +14,9 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from cupaged.demo.engine import Engine, Request
+from cupaged._attention_args import MAX_HEAD_SIZE
+from cupaged._backend import GpuUnavailableError, gpu_module, require_gpu
+from cupaged.demo.engine import Engine, Request, blocks_needed
 from cupaged.demo.model import DecoderConfig, TinyDecoder, random_weights
 from cupaged.kv_cache import KVCache
 from cupaged.reference.layers import decoder_logits
@@ -23,36 +27,82 @@ DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bf
 LOGIT_TOL = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 2.5e-1}  # max |logit - float64| that passes
 
 
+INT32_MAX = 2**31 - 1  # the kernels' index type
+SIZES = (  # flag, default, smallest, help
+    ("layers", 2, 1, "decoder layers"), ("dim", 256, 1, "model width"), ("heads", 8, 1, "query heads"),
+    ("kv-heads", 2, 1, "key / value heads (a divisor of --heads)"), ("head-dim", 64, 2, "dimensions of a head (even)"),
+    ("hidden", 512, 1, "SwiGLU hidden width"), ("vocab", 512, 1, "vocabulary size"),
+    ("requests", 16, 1, "requests served (one more is forked from request 1)"),
+    ("max-new-tokens", 32, 1, "most tokens a request generates (each draws from half of N to N)"),
+    ("system-len", 40, 0, "tokens of the system prompt every request shares"),
+    ("prompt-len", 96, 1, "most tokens of a request's own prompt (each draws from 4 to N)"),
+    ("block-size", 16, 1, "tokens per KV cache block"), ("num-blocks", 40, 1, "KV cache blocks"),
+    ("token-budget", 64, 1, "most tokens computed per step"), ("max-num-seqs", 8, 1, "most sequences per step"))
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cupaged demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m cupaged demo", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--verify", action="store_true", help="check every sampled position against a float64 numpy forward")
-    a("--backend", choices=("sim", "cuda"), help="default: cuda when a GPU is present, else sim")
-    a("--seed", type=int, default=0)
-    a("--dtype", choices=tuple(DTYPES), default="float32", help="weights, activations and KV cache (default float32)")
-    g = p.add_argument_group("sizes (defaults: ~11 s on the sim with a warm compile cache)")
-    for flag, default in (("layers", 2), ("dim", 256), ("heads", 8), ("kv-heads", 2), ("head-dim", 64),
-                          ("hidden", 512), ("vocab", 512), ("requests", 16), ("max-new-tokens", 32), ("system-len", 40),
-                          ("prompt-len", 96), ("block-size", 16), ("num-blocks", 40), ("token-budget", 64),
-                          ("max-num-seqs", 8)):
-        g.add_argument(f"--{flag}", type=_count(0 if flag == "system-len" else 1), default=default, metavar="N")
+    a("--backend", choices=("auto", "sim", "cuda"), default="auto", help="auto: cuda when a GPU is present, else sim")
+    a("--seed", type=_count(0, None), default=0, help="seed of the weights and the requests")
+    a("--dtype", choices=tuple(DTYPES), default="float32", help="weights, activations and KV cache")
+    g = p.add_argument_group("sizes (the defaults take ~11 s on the sim with a warm compile cache)")
+    for flag, default, minimum, text in SIZES:
+        kind = _count(2, MAX_HEAD_SIZE, even=True) if flag == "head-dim" else _count(minimum)
+        g.add_argument(f"--{flag}", type=kind, default=default, metavar="N", help=text)
     return p
 
 
-def _count(minimum: int):
+def _count(minimum: int, maximum: int | None = INT32_MAX, even: bool = False):
     def parse(text: str) -> int:
         value = int(text)
+        if even and (value % 2 or not minimum <= value <= maximum):
+            raise argparse.ArgumentTypeError(f"must be even, from {minimum} to {maximum}, got {value}")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
     parse.__name__ = "count"  # argparse names the type in its messages
     return parse
 
 
-def _xp(backend):
-    from cupaged._backend import gpu_module, require_gpu
+def memory_needed(args) -> int:
+    """Host bytes the run holds at its peak, roughly: the weights (drawn in float64, kept in float32 and in the
+    run's dtype), the KV cache (on the host unless --backend cuda), the pool's per-block state, every request's
+    tokens (Python ints) and the float32 logits row it keeps per generated token."""
+    itemsize = np.dtype(DTYPES[args.dtype]).itemsize
+    per_layer = args.dim * args.head_dim * (2 * args.heads + 2 * args.kv_heads) + 3 * args.dim * args.hidden
+    params = 2 * args.vocab * args.dim + args.layers * per_layer
+    kv = 2 * args.layers * args.num_blocks * args.block_size * args.kv_heads * args.head_dim * itemsize
+    sequences = args.requests + 1
+    tokens = sequences * (args.system_len + args.prompt_len + args.max_new_tokens)
+    rows = sequences * args.max_new_tokens * args.vocab * 4
+    return params * (8 + 4 + itemsize) + (args.backend != "cuda") * kv + 64 * args.num_blocks + 40 * tokens + rows
 
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """What argparse cannot check flag by flag: ``p.error`` (exit 2) names the flags."""
+    if args.heads % args.kv_heads:
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    need, have = memory_needed(args), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        p.error(f"these sizes need about {need / 2**30:.3g} GiB of memory, more than this machine's "
+                f"{have / 2**30:.3g} GiB: lower --num-blocks, --block-size, --vocab, --dim, --hidden, --requests, "
+                "--prompt-len or --max-new-tokens")
+    requests = make_requests(args)
+    longest = max(requests, key=lambda r: blocks_needed(r, args.block_size))
+    least = blocks_needed(longest, args.block_size)
+    if args.num_blocks < least:
+        p.error(f"argument --num-blocks: {args.num_blocks} is too few for blocks of {args.block_size} tokens: request "
+                f"{longest.seq_id} ({len(longest.prompt)} prompt tokens, {longest.max_new_tokens} new) needs {least}; "
+                f"give --num-blocks {least} or more")
+
+
+def _xp(backend):
     if backend == "cuda":
         return require_gpu()
     return np if backend == "sim" else gpu_module() or np
@@ -72,7 +122,7 @@ def make_requests(args) -> list[Request]:
     system = rng.integers(0, args.vocab, args.system_len).tolist()
     out = []
     for i in range(args.requests):
-        user = rng.integers(0, args.vocab, int(rng.integers(4, args.prompt_len + 1))).tolist()
+        user = rng.integers(0, args.vocab, int(rng.integers(min(4, args.prompt_len), args.prompt_len + 1))).tolist()
         new = int(rng.integers((args.max_new_tokens + 1) // 2, args.max_new_tokens + 1))
         sampled = i == 1
         out.append(Request(i, system + user, new, temperature=0.8 if sampled else 0.0, seed=args.seed + 100 * i,
@@ -95,8 +145,8 @@ def verify(requests, weights, config, dtype: str) -> bool:
     checked = agree = close = 0
     for r, ref in pairs:
         for pos, _, token in r.logits if not r.temperature else ():
-            top2 = np.sort(ref[pos])[-2:]
-            if top2[1] - top2[0] <= gap_min:
+            top2 = np.sort(ref[pos])[-2:]  # a vocabulary of one token has no runner-up: nothing is close
+            if top2.size == 2 and top2[1] - top2[0] <= gap_min:
                 close += 1
                 continue
             checked += 1
@@ -114,8 +164,8 @@ def table(engine: Engine, seconds: float, first: float, backend: str) -> str:
     s, pool = engine.stats, engine.pool
     rows = [("requests", f"{len(engine.finished)} ({s['forks']} forked for parallel sampling)"),
             ("tokens generated", str(s["generated"])),
-            ("tokens/s", f"{s['generated'] / seconds:.1f} over {seconds:.1f} s on the {backend} (the first step, which "
-                         f"compiles kernels not cached yet, {first:.1f} s)"),
+            ("tokens/s", f"{s['generated'] / seconds:.1f} over {seconds:.1f} s on the {backend} (first step "
+                         f"{first:.1f} s)"),
             ("steps", f"{s['steps']} ({s['mixed_steps']} mixing prefill chunks with decode tokens)"),
             ("tokens computed", f"{s['computed_tokens']} (largest step {s['max_batch_tokens']})"),
             ("prefix-cache hit rate", f"{100 * s['hit_tokens'] / max(s['prompt_tokens'], 1):.1f}% "
@@ -143,8 +193,8 @@ def build(args):
     return engine, weights, config
 
 
-def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+def serve(args) -> int:
+    """Build, serve every request with a progress bar, print the closing table (and the --verify line)."""
     engine, weights, config = build(args)
     backend = "sim" if engine.model.xp is np else "GPU"
     total = sum(r.max_new_tokens * (1 + (r.fork_as is not None)) for r in engine.waiting)
@@ -158,6 +208,27 @@ def main(argv=None) -> int:
     if args.verify:
         return 0 if verify(engine.finished, weights, config, args.dtype) else 1
     return 0
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    try:
+        return serve(args)
+    except GpuUnavailableError as e:
+        return _fail(p, f"--backend cuda: {e}")
+    except (MemoryError, OSError) as e:  # MemoryError: numpy's and CuPy's; ENOMEM: the sim's guarded memory
+        if isinstance(e, OSError) and e.errno != errno.ENOMEM:
+            raise
+        return _fail(p, f"out of memory for these sizes ({e}): lower --num-blocks, --block-size, --vocab, --dim, "
+                        "--hidden or --token-budget")
+
+
+def _fail(p: argparse.ArgumentParser, message: str) -> int:
+    """One line on stderr, as argparse's errors read; exit status 1."""
+    print(f"{p.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

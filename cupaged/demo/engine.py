@@ -19,7 +19,7 @@ import numpy as np
 from cupaged.cache_gather import copy_blocks
 from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks
 
-__all__ = ["Request", "Engine", "drop_cached"]
+__all__ = ["Request", "Engine", "blocks_needed", "drop_cached"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,6 +55,12 @@ class Request:
         return int(self.rng.choice(p.size, p=p / p.sum()))
 
 
+def blocks_needed(request: Request, block_size: int) -> int:
+    """The blocks ``request`` holds at its peak, its last step: every token of its history but the last one it
+    samples, whose keys and values are never computed. A pool of fewer can never serve it."""
+    return -(-(len(request.prompt) + request.max_new_tokens - 1) // block_size)
+
+
 def drop_cached(plan: BatchPlan) -> tuple[BatchPlan, np.ndarray]:
     """The plan without the positions the prefix cache served (slot -1: their keys and values are in the cache
     already), and the kept token indices. Context lengths and tables stay: the remaining queries attend over the
@@ -87,7 +93,7 @@ class Engine:
                           forks=0, copies=0, peak_blocks=0, waste_sum=0.0, max_batch_tokens=0, mixed_steps=0)
 
     def add(self, request: Request) -> None:
-        need = -(-(len(request.prompt) + request.max_new_tokens) // self.pool.block_size)
+        need = blocks_needed(request, self.pool.block_size)
         if need > self.pool.num_blocks:
             raise ValueError(f"request {request.seq_id} needs {need} blocks; the pool has {self.pool.num_blocks}")
         self.waiting.append(request)
