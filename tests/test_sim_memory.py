@@ -3,6 +3,8 @@ out-of-bounds detection for guarded arrays and plain numpy arrays."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -338,3 +340,10 @@ extern "C" __global__ void addr_mod16(const float* x, const float* y, long long*
     for x, y in ((base[1:], base[8:]), (base[3:9], base[:5]), (base[4:], np.zeros(3, np.float32)[1:])):
         mod.get_function("addr_mod16")((1,), (1,), (x, y, out))
         assert out.tolist() == [x.ctypes.data % 16, y.ctypes.data % 16]
+
+
+def test_guarded_array_larger_than_ram_is_refused_before_anything_is_touched():
+    """sim memory is written whole (poison) at birth: past RAM the OOM killer ended the process."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(MemoryError, match=rf"cannot allocate {ram + 1} bytes of guarded sim memory"):
+        sim.empty(ram + 1, np.uint8)

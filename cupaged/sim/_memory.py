@@ -51,6 +51,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
+def _physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * PAGE
+
+
 class GuardedBuffer(mmap.mmap):
     """An anonymous mapping with a PROT_NONE guard zone on each side of ``nbytes`` of data."""
 
@@ -60,6 +64,9 @@ class GuardedBuffer(mmap.mmap):
         # already a multiple of 16, so a read just past the end of most arrays did not fault).
         span = -(-nbytes // 16) * 16
         inner = max(PAGE, -(-span // PAGE) * PAGE)
+        if inner > _physical_memory():  # every byte is written (poison): past RAM the OOM killer would end the process
+            raise MemoryError(f"cannot allocate {nbytes} bytes of guarded sim memory: more than this machine's "
+                              f"{_physical_memory()} bytes of RAM")
         self = super().__new__(cls, -1, inner + 2 * GUARD,
                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self.nbytes = nbytes
