@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cupaged import _backend, sim, testing
+from cupaged.sim import _env
 
 assert_close = testing.assert_close  # for the tests that import it from here
 
@@ -31,6 +32,10 @@ def _require_gpu(config) -> bool:
 def pytest_report_header(config):
     if _require_gpu(config):
         return f"cupaged GPU required: {_backend.probe_gpu().message()}"
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _env.breadcrumb("CUPAGED_TEST_TRACE", nodeid)  # the test a crash report names (.ci/run)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -22,6 +22,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from cupaged import sim
 
@@ -94,3 +95,22 @@ def test_profiled_launch_after_a_freed_record_with_overlapping_ranges():
     total, written, read = done.stdout.split()
     assert float(total) == 2 * np.arange(32).sum()
     assert (int(written), int(read)) == (32 * 4, 2 * 32 * 4)  # a and c are one array: the first parameter counts both
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("CUPAGED_SIM_ORDER", "random:abc", "CUPAGED_SIM_ORDER: the seed"),
+    ("CUPAGED_SIM_ORDER", "random:-1", "CUPAGED_SIM_ORDER: the seed"),
+    ("CUPAGED_SIM_ORDER", "reverse:3", "CUPAGED_SIM_ORDER must be"),
+    ("CUPAGED_SIM_TIMEOUT", "abc", "CUPAGED_SIM_TIMEOUT must be"),
+    ("CUPAGED_SIM_TIMEOUT", "0", "CUPAGED_SIM_TIMEOUT must be"),
+    ("CUPAGED_SIM_TIMEOUT", "nan", "CUPAGED_SIM_TIMEOUT must be"),
+    ("CUPAGED_SIM_ARCH", "sm_75", "CUPAGED_SIM_ARCH must be one of .*sm_80 or newer.*'sm_75'"),
+    ("CUPAGED_SIM_ARCH", "hopper", "CUPAGED_SIM_ARCH must be one of"),
+])
+def test_environment_variables_are_parsed_with_their_name(monkeypatch, name, value, expected):
+    kernel = sim.RawModule(code=SRC).get_function("add3")
+    plain = np.ones(32, np.float32)  # staged through a copy: nothing is copied back on a rejection
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=expected):
+        kernel((1,), (32,), (plain, plain, plain))
+    np.testing.assert_array_equal(plain, 1.0)

@@ -3,6 +3,8 @@ out-of-bounds detection for guarded arrays and plain numpy arrays."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -212,8 +214,9 @@ def test_dynamic_shared_memory_beyond_launch_size(fn, w):
     # next page: caught at once, for reads and writes
     with pytest.raises(sim.SimMemoryError, match=r"dynamic shared memory .*byte offset 4096.*thread \(1,0,0\)"):
         k((1,), (32,), (np.int64(1024), np.int32(w), out), shared_mem=1024)
-    if w:  # a write just past the end, in the same page: found by the check after the block
-        with pytest.raises(sim.SimMemoryError, match=r"dynamic shared memory at byte offset 1024"):
+    if w:  # a write just past the end, in the same page: caught at once too (every store is checked)
+        with pytest.raises(sim.SimMemoryError, match=r"dynamic shared memory write at byte offset 1024, past the "
+                                                     r"launch's shared_mem=1024 bytes in thread \(1,0,0\)"):
             k((1,), (32,), (np.int64(256), np.int32(w), out), shared_mem=1024)
     k((1,), (32,), (np.int64(3), np.int32(w), out), shared_mem=1024)  # usable afterwards
 
@@ -265,7 +268,8 @@ def test_small_overrun_inside_slack_found_after_launch(fn, kind, index):
 
 
 def test_overrun_in_slack_then_fault_leaves_array_usable():
-    """A launch that first damages the slack and then faults must not poison the next launch."""
+    """A launch that damages the slack (stopped at that store since every store is checked; it went on
+    to fault further on before) must not poison the next launch."""
     src = r"""
     extern "C" __global__ void two_writes(float* v, int n) {
       if (threadIdx.x == 0) { v[n] = 1.0f; v[n + 5000] = 2.0f; }
@@ -274,7 +278,7 @@ def test_overrun_in_slack_then_fault_leaves_array_usable():
     """
     m = sim.RawModule(code=src)
     x = sim.zeros(10)
-    with pytest.raises(sim.SimMemoryError, match="out-of-bounds write of v at byte offset 20040"):
+    with pytest.raises(sim.SimMemoryError, match="past the end of an array: v at byte offset 40 "):
         m.get_function("two_writes")((1,), (32,), (x, np.int32(10)))
     m.get_function("fill")((1,), (32,), (x, np.int32(10)))
     np.testing.assert_array_equal(x, 3.0)
@@ -336,3 +340,10 @@ extern "C" __global__ void addr_mod16(const float* x, const float* y, long long*
     for x, y in ((base[1:], base[8:]), (base[3:9], base[:5]), (base[4:], np.zeros(3, np.float32)[1:])):
         mod.get_function("addr_mod16")((1,), (1,), (x, y, out))
         assert out.tolist() == [x.ctypes.data % 16, y.ctypes.data % 16]
+
+
+def test_guarded_array_larger_than_ram_is_refused_before_anything_is_touched():
+    """sim memory is written whole (poison) at birth: past RAM the OOM killer ended the process."""
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(MemoryError, match=rf"cannot allocate {ram + 1} bytes of guarded sim memory"):
+        sim.empty(ram + 1, np.uint8)

@@ -39,11 +39,13 @@ CXXFLAGS = (
     "-ftrivial-auto-var-init=pattern", "-fstack-clash-protection", "-fvisibility=hidden", "-w",
     "-fsanitize=alignment",  # every typed access checked; the handler is the engine's (no UBSan runtime)
 )
-# CUPAGED_SIM_BOUNDS=1: every load and store calls the engine's byte-exact bounds check first
-# (cupaged_sim_bounds.h; no ASan runtime is linked). Kernels run ~5x slower: a mode CI runs once.
+# Every store calls the engine's check first (cupaged_sim_bounds.h; no ASan runtime is linked): a
+# kernel writes only its arguments' arrays, shared memory, its stack and the module's own data.
+# CUPAGED_SIM_BOUNDS=1 checks every load too, byte-exact: kernels run ~5x slower, a mode CI runs once.
 BOUNDS_FLAGS = ("-fsanitize=address", "-fsanitize-recover=address", "--param=asan-instrumentation-with-call-threshold=0",
                 "--param=asan-stack=0", "--param=asan-globals=0", "--param=asan-use-after-return=0",
                 "-fno-sanitize-address-use-after-scope")
+STORE_FLAGS = BOUNDS_FLAGS + ("--param=asan-instrument-reads=0",)
 MIN_GCC = 12
 # CUPAGED_SIM_FMA=1: contract a*b+c into hardware FMA, as the GPU's compiler does (436 fma.rn.f32 in
 # one attention instantiation); the default keeps every product rounded (-ffp-contract=off).
@@ -71,7 +73,7 @@ PROFILE_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0
 def cxxflags(profile: bool = False) -> tuple[str, ...]:
     """The g++ flags of this process's sim builds (CUPAGED_SIM_FMA chooses the contraction,
     CUPAGED_SIM_BOUNDS the bounds instrumentation; ``profile``: the profiler's build instead)."""
-    flags = CXXFLAGS + (PROFILE_FLAGS if profile else BOUNDS_FLAGS if bounds_checked() else ())
+    flags = CXXFLAGS + (PROFILE_FLAGS if profile else BOUNDS_FLAGS if bounds_checked() else STORE_FLAGS)
     if not _switch("CUPAGED_SIM_FMA"):
         return flags
     if not _cpu_has_fma():

@@ -6,12 +6,14 @@ Layout of one allocation (page = 4 KiB)::
                                ^ 16-byte aligned            ^ page aligned
 
 The data ends (up to 15 bytes of slack) right at the trailing guard zone, so a read or write past
-the end faults at once; pad and slack are filled with poison (see ``poison_byte``) and checked
-after each launch, which catches the small overruns that stay inside the page. Each guard zone is
-GUARD bytes of PROT_NONE address space (nothing is touched, so it costs no memory): an access up to
-that far before or after the data faults and is attributed to this buffer, instead of landing in
-some other mapping. A read inside the pad (just before the start) or the slack cannot fault; it
-yields poison bytes.
+the end faults at once; pad and slack are filled with poison (see ``poison_byte``). Every store of
+a kernel is checked (cupaged_sim_bounds.h), so a write into pad or slack is an error at once; a
+read there cannot fault and yields poison bytes (CUPAGED_SIM_BOUNDS=1 checks reads too). Pad and
+slack are also checked after each launch, for the profiler's build, which checks no store. Each
+guard zone is GUARD = 1 GiB of PROT_NONE address space (nothing is touched, so it costs no memory,
+only address space: 2 GiB an array of the 128 TiB a process has): an access up to that far before
+or after the data -- a block id or a slot far out of range -- faults and is attributed to this
+buffer, instead of landing in some other mapping.
 
 ``empty/zeros/asarray`` return numpy arrays that live in such memory from birth and are passed to
 kernels without a copy; plain numpy arrays are copied into a temporary one per launch and back.
@@ -31,7 +33,7 @@ __all__ = ["GuardedBuffer", "empty", "zeros", "empty_like", "zeros_like", "asarr
            "regions"]
 
 PAGE = mmap.PAGESIZE
-GUARD = 1 << 20  # bytes of PROT_NONE address space on each side of the data
+GUARD = 1 << 30  # bytes of PROT_NONE address space on each side of the data
 POISON = {"nan": 0xFF, "large": 0x7B}  # 0x7B..: f32 1.3e36, f16 61280, bf16 1.3e36, int32 2.07e9, e4m3 352
 
 
@@ -49,6 +51,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
+def _physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * PAGE
+
+
 class GuardedBuffer(mmap.mmap):
     """An anonymous mapping with a PROT_NONE guard zone on each side of ``nbytes`` of data."""
 
@@ -58,6 +64,9 @@ class GuardedBuffer(mmap.mmap):
         # already a multiple of 16, so a read just past the end of most arrays did not fault).
         span = -(-nbytes // 16) * 16
         inner = max(PAGE, -(-span // PAGE) * PAGE)
+        if inner > _physical_memory():  # every byte is written (poison): past RAM the OOM killer would end the process
+            raise MemoryError(f"cannot allocate {nbytes} bytes of guarded sim memory: more than this machine's "
+                              f"{_physical_memory()} bytes of RAM")
         self = super().__new__(cls, -1, inner + 2 * GUARD,
                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self.nbytes = nbytes
@@ -103,11 +112,16 @@ def live_buffers() -> list[GuardedBuffer]:
     return [b for b in list(_LIVE) if not b.closed]
 
 
-def regions() -> np.ndarray:
-    """Every live guarded buffer as [mapping base, first valid byte, end of valid bytes, mapping end]
-    (uint64, sorted by base): the engine's table for byte-exact bounds checks."""
-    rows = sorted((b.base_addr, *b.valid, b.end_addr) for b in live_buffers())
-    return np.array(rows, dtype=np.uint64).reshape(-1, 4)
+def regions(targets, every_live: bool = False) -> np.ndarray:
+    """The engine's table for its access checks (``Region`` in cupaged_sim_bounds.h): the buffers
+    ``targets`` a launch may write, and with ``every_live`` every other live guarded buffer too, as
+    [mapping base, first valid byte, end of valid bytes, mapping end, is a target] (uint64, sorted
+    by base)."""
+    targets = set(targets)
+    others = [b for b in live_buffers() if b not in targets] if every_live else []
+    rows = sorted([(b.base_addr, *b.valid, b.end_addr, 1) for b in targets] +
+                  [(b.base_addr, *b.valid, b.end_addr, 0) for b in others])
+    return np.array(rows, dtype=np.uint64).reshape(-1, 5)
 
 
 def guarded_buffer(a: np.ndarray) -> GuardedBuffer | None:

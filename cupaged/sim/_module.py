@@ -10,22 +10,21 @@ CuPy, every argument is checked against the kernel's C++ parameter type, so a fl
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import threading
 
 import numpy as np
 
-from cupaged.sim import _compile, _profile
+from cupaged.sim import _compile, _env, _profile
 from cupaged.sim._errors import SimError, SimMemoryError, SimSyncError, SimTimeoutError, SimTrapError
 from cupaged.sim._memory import poison_byte, regions
 from cupaged.sim._params import param_names, strip_comments
+from cupaged.sim._probe import pointer_fields
 from cupaged.sim._smem import launch_bounds
 from cupaged.sim._staging import Staging, fault_message
 
 __all__ = ["RawModule", "RawKernel"]
 
-ARCH_SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
 DEFAULT_SMEM = 48 * 1024
 _LAUNCH_LOCK = threading.Lock()  # the engine's state and signal handlers are process-wide
 
@@ -67,14 +66,6 @@ def _dim3(v, what):
     if not 1 <= len(t) <= 3 or any(int(x) < 1 for x in t):
         raise ValueError(f"{what} must be a positive int or a tuple of 1 to 3 positive ints, got {v!r}")
     return tuple(int(x) for x in t) + (1,) * (3 - len(t))
-
-
-def _order():
-    spec = os.environ.get("CUPAGED_SIM_ORDER", "natural")
-    name, _, seed = spec.partition(":")
-    if name not in ("natural", "reverse", "random"):
-        raise ValueError(f"CUPAGED_SIM_ORDER must be natural, reverse or random[:seed], got {spec!r}")
-    return ("natural", "reverse", "random").index(name), int(seed or 0)
 
 
 class RawModule:
@@ -193,8 +184,9 @@ class RawKernel:
             raise ValueError(f"{self.name}: launch configuration grid={grid} block={block} exceeds the GPU's limits "
                              "(≤ 1024 threads per block, block.z ≤ 64, grid.x < 2^31, grid.y/z ≤ 65535)")
         shared_mem = int(shared_mem)
-        arch = os.environ.get("CUPAGED_SIM_ARCH", "sm_90")
-        limit = ARCH_SMEM_LIMIT.get(arch, ARCH_SMEM_LIMIT["sm_90"])
+        (order, seed), timeout, arch = _env.order(), _env.timeout(), _env.arch()  # checked before anything is staged
+        poison, bounds = poison_byte(), _compile.bounds_checked()
+        limit = _env.ARCH_SMEM_LIMIT[arch]
         if shared_mem > self.max_dynamic_shared_size_bytes:
             raise ValueError(f"{self.name}: shared_mem={shared_mem} exceeds the kernel's "
                              f"max_dynamic_shared_size_bytes={self.max_dynamic_shared_size_bytes} (opt in first)")
@@ -220,16 +212,17 @@ class RawKernel:
             if cvals[i] is None:
                 cvals[i] = ctypes.c_void_p(staged.ptr[i])
             ptrs[i] = ctypes.addressof(cvals[i])
-        order, seed = _order()
         probe = _profile.LaunchProbe(self, args, staged) if _profile.active() else None
         lib, launch, dyn_offset = self.module._variant(self.index, probe is not None)
-        cfg = _LaunchConfig(grid, block, shared_mem, order, seed,
-                            float(os.environ.get("CUPAGED_SIM_TIMEOUT", "300")), dyn_offset, poison_byte())
+        cfg = _LaunchConfig(grid, block, shared_mem, order, seed, timeout, dyn_offset, poison)
         if probe is not None:
             cfg.profile = probe.structs.address
-        elif _compile.bounds_checked():  # the instrumented build looks every access up in this table
-            table = regions()  # [n, 4] uint64: every live guarded array, sorted (alive until the launch ends)
+        else:  # the instrumented build looks stores (and, under CUPAGED_SIM_BOUNDS=1, loads) up in this table
+            targets = [*staged.buffers.values(),
+                       *(buf for _, buf in pointer_fields(self.param_names, self.param_types, args))]
+            table = regions(targets, every_live=bounds)  # [n, 5], alive until the launch ends
             cfg.regions, cfg.nregions = table.ctypes.data, len(table)
+        _env.breadcrumb("CUPAGED_SIM_TRACE", self._describe(grid, block, shared_mem, staged, probe is not None))
         try:
             with _LAUNCH_LOCK:
                 rc = launch(ctypes.byref(cfg), ptrs)
@@ -244,6 +237,13 @@ class RawKernel:
                 probe.record(lib, grid, block, shared_mem)
         finally:
             staged.finish()
+
+    def _describe(self, grid, block, shared_mem, staged, profiled) -> str:
+        """The launch in one line, for a crash report: what ran, and where its arrays were."""
+        arrays = " ".join(f"{self.param_names[i]}=[{buf.valid[0]:#x},{buf.valid[1]:#x})"
+                          for i, buf in sorted(staged.buffers.items()))
+        return (f"{self.name} grid={grid} block={block} shared_mem={shared_mem} "
+                f"build={'profiled' if profiled else 'plain'} module={self.module._label or 'inline source'} {arrays}")
 
     def _error(self, rc, err, staged, shared_mem):
         msg = err.msg.decode(errors="replace")

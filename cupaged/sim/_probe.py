@@ -8,7 +8,7 @@ import ctypes
 
 import numpy as np
 
-from cupaged.sim._memory import regions
+from cupaged.sim._memory import GuardedBuffer, live_buffers
 
 __all__ = ["LaunchStructs", "pointer_fields"]
 
@@ -69,19 +69,19 @@ def _fields(name, dtype, value):
             yield label, int(value[field])
 
 
-def pointer_fields(names, types, args) -> list[tuple[str, int, int]]:
-    """(``param.field``, lo, hi) for each 8-byte integer field of a by-value struct argument that
-    holds an address inside a live guarded array: that array's bytes [lo, hi)."""
+def pointer_fields(names, types, args) -> list[tuple[str, GuardedBuffer]]:
+    """(``param.field``, buffer) for each 8-byte integer field of a by-value struct argument that
+    holds an address inside a live guarded array's bytes (``buffer.valid``)."""
     structs = [(n, a) for n, code, a in zip(names, types, args)
                if code.startswith("struct:") and isinstance(a, np.generic) and a.dtype.names]
     if not structs:
         return []
-    table = regions().tolist()
+    live = live_buffers()
     found = []
     for name, value in structs:
         for label, address in _fields(name, value.dtype, value):
-            for _, lo, hi, _ in table:
-                if lo <= address < hi:
-                    found.append((label, int(lo), int(hi)))
+            for buf in live:
+                if buf.valid[0] <= address < buf.valid[1]:
+                    found.append((label, buf))
                     break
     return found

@@ -155,7 +155,7 @@ class LaunchProbe:
     def __init__(self, kernel, args, staged):
         self.kernel, self.declared = kernel, declared()
         ranges = [(kernel.param_names[i], *buf.valid) for i, buf in sorted(staged.buffers.items())]
-        ranges += pointer_fields(kernel.param_names, kernel.param_types, args)
+        ranges += [(label, *buf.valid) for label, buf in pointer_fields(kernel.param_names, kernel.param_types, args)]
         self.names = [name for name, _, _ in ranges]
         self.sizes = [hi - lo for _, lo, hi in ranges]
         self.structs = LaunchStructs([(lo, hi) for _, lo, hi in ranges], _ACTIVE[-1].block_stride)

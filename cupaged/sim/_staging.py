@@ -35,21 +35,14 @@ def fault_message(err, staged: "Staging", shared_mem: int) -> str:
     address is in no argument."""
     kind = "write" if err.fault_write else "access"
     addr, dyn = err.fault_addr, err.dyn_smem
-    if err.fault_decoded == 3:  # found by instrumentation: the engine's message, plus whose memory it is
-        found = staged.locate(addr)
-        where = f"address {addr:#x}, in no argument's memory (another live guarded array's pad or slack?)"
-        if found is not None:
-            i, buf = found[0], staged.buffers[found[0]]
-            off = _offset(addr, staged.ptr[i])
-            span = f"{buf.valid[0] - staged.ptr[i]}..{buf.valid[1] - staged.ptr[i]}"
-            where = f"{staged.names[i]} at byte offset {off} (its bytes span {span}; address {addr:#x})"
-        return f"{err.msg.decode(errors='replace')}: {where}"
-    if err.fault_decoded == 2:
-        return ("invalid memory access, address unknown: general-protection fault (a non-canonical address, "
-                "e.g. from a huge index, in an instruction the sim cannot decode)")
     if dyn <= addr < dyn + DYN_SMEM_CAPACITY:
         return (f"dynamic shared memory {kind} at byte offset {addr - dyn}, past the launch's "
                 f"shared_mem={shared_mem} bytes")
+    if err.fault_decoded == 3:  # found by instrumentation: the engine's message, plus whose memory it is
+        return _instrumented(err, staged, addr)
+    if err.fault_decoded == 2:
+        return ("invalid memory access, address unknown: general-protection fault (a non-canonical address, "
+                "e.g. from a huge index, in an instruction the sim cannot decode)")
     found = staged.locate(addr, (err.fault_base, err.fault_index), tuple(err.regs))
     if found is not None:
         i, inside = found
@@ -66,6 +59,28 @@ def fault_message(err, staged: "Staging", shared_mem: int) -> str:
         return (f"out-of-bounds {kind} of {name} at byte offset {off} "
                 f"(its memory spans {buf.data_addr - staged.ptr[i]}..{buf.data_addr + buf.nbytes - staged.ptr[i]})")
     return f"out-of-bounds {kind} of {name} at byte offset {off}: address {addr:#x}, far outside its memory{note}"
+
+
+def _instrumented(err, staged: "Staging", addr: int) -> str:
+    """The engine's message of an access its instrumentation stopped, and whose memory it hit; a wild
+    store (outside every argument's memory) is named after the argument its address was computed
+    from, as the registers tell."""
+    msg = err.msg.decode(errors="replace")
+    found = staged.locate(addr, (), tuple(err.regs) if err.fault_write else ())
+    if found is not None and found[1]:
+        i, buf = found[0], staged.buffers[found[0]]
+        off = _offset(addr, staged.ptr[i])
+        span = f"{buf.valid[0] - staged.ptr[i]}..{buf.valid[1] - staged.ptr[i]}"
+        return f"{msg}: {staged.names[i]} at byte offset {off} (its bytes span {span}; address {addr:#x})"
+    other = next((b for b in live_buffers() if b.base_addr <= addr < b.end_addr), None)
+    note = (f" (in the memory of a {other.nbytes}-byte guarded array that is not an argument of this launch)"
+            if other is not None else "")
+    if found is None:
+        return f"{msg}: address {addr:#x} (not inside any argument){note}"
+    i, buf = found[0], staged.buffers[found[0]]
+    span = f"{buf.valid[0] - staged.ptr[i]}..{buf.valid[1] - staged.ptr[i]}"
+    return (f"out-of-bounds write of {staged.names[i]} at byte offset {_offset(addr, staged.ptr[i])}: address "
+            f"{addr:#x}, far outside its memory (its bytes span {span}){note}; stopped before it landed")
 
 
 class Staging:
@@ -106,8 +121,10 @@ class Staging:
             self.buffers[i] = buf
 
     def _pointed(self, r):
+        """The argument whose own bytes hold address r (its guard zones are too wide to tell: a
+        register holding some other value lands in one easily)."""
         for i, buf in self.buffers.items():
-            if r and buf.base_addr <= r < buf.end_addr:
+            if r and buf.valid[0] <= r < buf.valid[1]:
                 return i
         return None
 

@@ -158,10 +158,33 @@ struct Engine {
   ErrorInfo err;
 };
 
+// A thread's cp.async copies in flight, oldest first. Its storage is the engine's own, outside the
+// module's checked memory (the C library's heap), so its code is not instrumented: a store there
+// from instrumented code would be a wild store.
+struct AsyncQueue {
+  AsyncCopy* data = nullptr;
+  size_t head = 0, size = 0, cap = 0;
+  __attribute__((no_sanitize_address, noinline)) void push(const AsyncCopy& c) {
+    if (size == cap && head) {  // the copies a wait has landed leave room at the front
+      memmove(data, data + head, (size - head) * sizeof(AsyncCopy));
+      size -= head;
+      head = 0;
+    }
+    if (size == cap) {
+      cap = cap ? 2 * cap : 64;
+      data = static_cast<AsyncCopy*>(realloc(data, cap * sizeof(AsyncCopy)));
+    }
+    data[size++] = c;
+  }
+  void clear() { head = size = 0; }
+};
+
 static Engine g;
-static char* g_stacks[kMaxThreads];
-static std::vector<AsyncCopy> g_async[kMaxThreads];  // per thread, oldest first
-static unsigned g_async_committed[kMaxThreads];       // commit groups closed so far
+// Every CUDA thread's fiber stack, kStackSize each, in one mapping: one range for the bounds checks.
+static char* g_stack_area;
+static bool g_stack_guarded[kMaxThreads];  // its lowest page is PROT_NONE (set on first use)
+static AsyncQueue g_async[kMaxThreads];
+static unsigned g_async_committed[kMaxThreads];  // commit groups closed so far
 
 #include "cupaged_sim_profile.h"
 
@@ -234,14 +257,21 @@ static void thread_exit();
   __builtin_unreachable();
 }
 
-static bool init_fiber(SimThread* t) {
-  char*& stack = g_stacks[t->linear];
-  if (!stack) {
-    void* p = mmap(nullptr, kStackSize, PROT_READ | PROT_WRITE,
+static bool map_stacks() {
+  if (!g_stack_area) {
+    void* p = mmap(nullptr, kStackSize * kMaxThreads, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
     if (p == MAP_FAILED) return false;
-    mprotect(p, 4096, PROT_NONE);
-    stack = static_cast<char*>(p);
+    g_stack_area = static_cast<char*>(p);
+  }
+  return true;
+}
+
+static bool init_fiber(SimThread* t) {
+  char* stack = g_stack_area + kStackSize * size_t(t->linear);
+  if (!g_stack_guarded[t->linear]) {
+    if (mprotect(stack, 4096, PROT_NONE) != 0) return false;
+    g_stack_guarded[t->linear] = true;
   }
   t->fiber.stack = stack;
 #if defined(__x86_64__)
@@ -718,7 +748,7 @@ static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fi
     g_async[i].clear();
     g_async_committed[i] = 0;
     t->tid = uint3{unsigned(i % g.block.x), unsigned(i / g.block.x % g.block.y), unsigned(i / (g.block.x * g.block.y))};
-    if (!init_fiber(t)) { set_error(E_OTHER, "cannot map fiber stacks"); return E_OTHER; }
+    if (!init_fiber(t)) { set_error(E_OTHER, "cannot protect a fiber stack's guard page"); return E_OTHER; }
     ids[i] = i;
   }
   CUPAGED_SIM_PROF(prof_block_start(g.nthreads));
@@ -753,7 +783,6 @@ static int run_grid(const LaunchConfig* cfg) {
   CUPAGED_SIM_PROF(prof_launch_start());
   g_regions = static_cast<const Region*>(cfg->regions);
   g_nregions = cfg->nregions;
-  build_granules();
   cupaged_sim_gap_lo = 1;  // no unguarded access yet: an empty range
   cupaged_sim_gap_hi = 0;
   g_hook_addr = 0;
@@ -765,6 +794,8 @@ static int run_grid(const LaunchConfig* cfg) {
   g.err.dyn_smem = reinterpret_cast<uintptr_t>(dyn);
   g.smem_base = tls;
   g.smem_size = cfg->tls_dyn_offset + cfg->shared_mem;
+  if (!map_stacks()) { set_error(E_OTHER, "cannot map fiber stacks"); return E_OTHER; }
+  build_granules(g_stack_area, kStackSize * kMaxThreads);
   size_t page = 4096, smem = cfg->shared_mem;
   size_t protect_from = (smem + page - 1) / page * page;
   size_t fill = size_t(dyn - tls) + protect_from;

@@ -184,7 +184,7 @@ inline void cp_async(unsigned long long dst, unsigned long long src, unsigned cp
     prof_record(uintptr_t(d), cp_size, true, site);
   }
 #endif
-  g_async[g.cur->linear].push_back(c);
+  g_async[g.cur->linear].push(c);
   memset(d, g.poison, cp_size);  // until a wait covers it, the destination holds poison, as a racing read could see
 }
 inline void cp_async_commit() {
@@ -193,12 +193,11 @@ inline void cp_async_commit() {
 }
 inline void cp_async_wait(unsigned long long pending) {
   CUPAGED_SIM_PROF(prof_sched_point(g.cur); if (g_prof) prof_async_wait(pending));
-  auto& q = g_async[g.cur->linear];
+  AsyncQueue& q = g_async[g.cur->linear];
   unsigned done = g_async_committed[g.cur->linear];
   done = pending >= done ? 0u : done - unsigned(pending);
-  size_t n = 0;
-  while (n < q.size() && q[n].group < done) { memcpy(q[n].dst, q[n].data, size_t(q[n].size)); ++n; }
-  q.erase(q.begin(), q.begin() + long(n));
+  for (; q.head < q.size && q.data[q.head].group < done; ++q.head)
+    memcpy(q.data[q.head].dst, q.data[q.head].data, size_t(q.data[q.head].size));
 }
 inline void cp_async_wait_all() { cp_async_commit(); cp_async_wait(0); }
 
