@@ -38,8 +38,8 @@ extern "C" {
 // registers of the last slow check
 __attribute__((visibility("hidden"))) unsigned long long cupaged_sim_gap_lo = 1, cupaged_sim_gap_hi = 0;
 __attribute__((visibility("hidden"))) unsigned long long cupaged_sim_hook_regs[16];
-// where a store may go besides the target arrays, [lo, hi) pairs: shared memory, the fiber stacks,
-// the module's writable segments (empty pairs: lo > hi)
+// where a store may go besides the target arrays, as (first byte, size) pairs: the fiber stacks,
+// shared memory, the module's writable segments (size 0: none)
 __attribute__((visibility("hidden"))) unsigned long long cupaged_sim_store_ok[4][2];
 }
 static unsigned long long g_hook_addr;  // the address of the last access that matched no array
@@ -69,7 +69,7 @@ __attribute__((no_sanitize_address)) static int module_segment(dl_phdr_info* inf
     if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_W)) continue;
     auto* ok = static_cast<unsigned long long(*)[2]>(out);
     ok[k][0] = info->dlpi_addr + ph.p_vaddr;
-    ok[k++][1] = info->dlpi_addr + ph.p_vaddr + ph.p_memsz;
+    ok[k++][1] = ph.p_memsz;
   }
   return 1;
 }
@@ -97,14 +97,11 @@ __attribute__((no_sanitize_address)) static void build_granules(char* stacks, si
     }
   }
   auto& ok = cupaged_sim_store_ok;
-  ok[0][0] = reinterpret_cast<uintptr_t>(g.smem_base);
-  ok[0][1] = ok[0][0] + g.smem_size;
-  ok[1][0] = reinterpret_cast<uintptr_t>(stacks);
-  ok[1][1] = ok[1][0] + stacks_size;
-  if (!ok[2][1]) {  // once per process: the module does not move
-    ok[2][0] = ok[3][0] = 1;
-    dl_iterate_phdr(module_segment, ok);
-  }
+  ok[0][0] = reinterpret_cast<uintptr_t>(stacks);
+  ok[0][1] = stacks_size;
+  ok[1][0] = reinterpret_cast<uintptr_t>(g.smem_base);
+  ok[1][1] = g.smem_size;
+  if (!ok[2][1]) dl_iterate_phdr(module_segment, ok);  // once per process: the module does not move
 }
 
 __attribute__((no_sanitize_address, noinline)) static void out_of_bounds(const Region* r, uintptr_t a, size_t n,
@@ -147,7 +144,7 @@ extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void cupag
   }
   if (write) {
     for (auto& ok : cupaged_sim_store_ok)
-      if (a >= ok[0] && a + n <= ok[1]) return;
+      if (a >= ok[0] && a - ok[0] + n <= ok[1]) return;
     g_hook_addr = a;
     wild_store(a, n, false);
   }
@@ -177,16 +174,21 @@ extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void cupag
   "1:\n  popq %rdx\n  popq %rcx\n  ret\n"                                                             \
   "3:\n  movq cupaged_sim_gap_lo(%rip), %rax\n  cmpq %rax, %rdi\n  jb 2f\n"                          \
   "  leaq " #n "(%rdi), %rax\n  cmpq cupaged_sim_gap_hi(%rip), %rax\n  jbe 1b\n" CUPAGED_SIM_SLOW(n, 0)
-// A store: in a target array's bytes, or in one of the four cupaged_sim_store_ok ranges.
-#define CUPAGED_SIM_STORE_OK(k)                                                                     \
-  "  cmpq " #k "*16(%rax), %rdi\n  jb 4f\n  cmpq " #k "*16+8(%rax), %rdx\n  jbe 1b\n4:\n"
+// A store: in one of the cupaged_sim_store_ok ranges (the fiber stacks and shared memory first: a
+// kernel's most frequent targets, tested with rax alone: a - lo + n <= size, no carry), or in a target
+// array's bytes.
+#define CUPAGED_SIM_STORE_OK(k, n, next, done)                                                       \
+  "  movq %rdi, %rax\n  subq cupaged_sim_store_ok+" #k "*16(%rip), %rax\n  addq $" #n ", %rax\n"     \
+  "  jc " #next "\n  cmpq cupaged_sim_store_ok+" #k "*16+8(%rip), %rax\n  jbe " #done "\n"
 #define CUPAGED_SIM_STORE(n)                                                                        \
-  CUPAGED_SIM_HEAD(__asan_store##n##_noabort) CUPAGED_SIM_GRANULE(n)                                \
+  CUPAGED_SIM_HEAD(__asan_store##n##_noabort)                                                        \
+  CUPAGED_SIM_STORE_OK(0, n, 6f, 5f) "6:\n" CUPAGED_SIM_STORE_OK(1, n, 7f, 5f) "7:\n"               \
+  CUPAGED_SIM_GRANULE(n)                                                                            \
   "  cmpq $0, 24(%rax)\n  je 2f\n"                                                                   \
-  "1:\n  popq %rdx\n  popq %rcx\n  ret\n"                                                             \
-  "3:\n  leaq cupaged_sim_store_ok(%rip), %rax\n  leaq " #n "(%rdi), %rdx\n"                         \
-  CUPAGED_SIM_STORE_OK(0) CUPAGED_SIM_STORE_OK(1) CUPAGED_SIM_STORE_OK(2) CUPAGED_SIM_STORE_OK(3)   \
-  CUPAGED_SIM_SLOW(n, 1)
+  "1:\n  popq %rdx\n  popq %rcx\n5:\n  ret\n"                                                       \
+  "3:\n  popq %rdx\n  popq %rcx\n"                                                                  \
+  CUPAGED_SIM_STORE_OK(2, n, 8f, 5b) "8:\n" CUPAGED_SIM_STORE_OK(3, n, 9f, 5b) "9:\n"              \
+  "  pushq %rcx\n  pushq %rdx\n" CUPAGED_SIM_SLOW(n, 1)
 #define CUPAGED_SIM_FIXED(n) asm(".text\n" CUPAGED_SIM_LOAD(n) CUPAGED_SIM_STORE(n))
 // Saves the caller's general registers (as they were at the hook's entry: the call pushed only
 // the return address, so rsp is the hook's rsp - 8) into cupaged_sim_hook_regs, in ucontext order

@@ -31,6 +31,10 @@ extern thread_local char __cupaged_dyn_smem[];  // defined by the generated asse
 
 namespace cupaged_sim {
 
+// The engine's own code is trusted and not instrumented: its stores (the scheduler's state: most of
+// the store checks a launch made before) are not a kernel's. The checks are for the kernel's code.
+#define CUPAGED_SIM_TRUSTED __attribute__((no_sanitize_address))
+
 enum ErrorCode { OK = 0, E_MEMORY = 1, E_SYNC = 2, E_TRAP = 3, E_TIMEOUT = 4, E_CONFIG = 5, E_OTHER = 6 };
 
 struct LaunchConfig {  // mirrored by ctypes in cupaged/sim/_module.py
@@ -189,7 +193,7 @@ static unsigned g_async_committed[kMaxThreads];  // commit groups closed so far
 #include "cupaged_sim_profile.h"
 
 // ---------------------------------------------------------------- errors
-static void set_error(int code, const char* fmt, ...) {
+CUPAGED_SIM_TRUSTED static void set_error(int code, const char* fmt, ...) {
   if (g.err.code != OK) return;
   g.err.code = code;
   va_list ap;
@@ -203,7 +207,7 @@ static void set_error(int code, const char* fmt, ...) {
   g.err.block[0] = g.block_idx.x; g.err.block[1] = g.block_idx.y; g.err.block[2] = g.block_idx.z;
 }
 
-static void append_error(const char* fmt, ...) {
+CUPAGED_SIM_TRUSTED static void append_error(const char* fmt, ...) {
   size_t n = strlen(g.err.msg);
   va_list ap;
   va_start(ap, fmt);
@@ -243,21 +247,21 @@ cupaged_sim_switch:
   ret
   .size cupaged_sim_switch, .-cupaged_sim_switch
 )");
-static void switch_to(Fiber* from, Fiber* to) { cupaged_sim_switch(&from->sp, to->sp); }
+CUPAGED_SIM_TRUSTED static void switch_to(Fiber* from, Fiber* to) { cupaged_sim_switch(&from->sp, to->sp); }
 #else
-static void switch_to(Fiber* from, Fiber* to) { swapcontext(&from->uc, &to->uc); }
+CUPAGED_SIM_TRUSTED static void switch_to(Fiber* from, Fiber* to) { swapcontext(&from->uc, &to->uc); }
 #endif
 
 static void thread_exit();
 
-[[noreturn]] static void fiber_main() {
+[[noreturn]] CUPAGED_SIM_TRUSTED static void fiber_main() {
   g.thunk(g.thunk_ctx);
   thread_exit();
   switch_to(&g.cur->fiber, &g.sched);
   __builtin_unreachable();
 }
 
-static bool map_stacks() {
+CUPAGED_SIM_TRUSTED static bool map_stacks() {
   if (!g_stack_area) {
     void* p = mmap(nullptr, kStackSize * kMaxThreads, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
@@ -267,7 +271,7 @@ static bool map_stacks() {
   return true;
 }
 
-static bool init_fiber(SimThread* t) {
+CUPAGED_SIM_TRUSTED static bool init_fiber(SimThread* t) {
   char* stack = g_stack_area + kStackSize * size_t(t->linear);
   if (!g_stack_guarded[t->linear]) {
     if (mprotect(stack, 4096, PROT_NONE) != 0) return false;
@@ -294,21 +298,21 @@ static bool init_fiber(SimThread* t) {
 }
 
 // Leave the current fiber for good after an error; the scheduler sees g.failed.
-[[noreturn]] static void abort_fiber() {
+[[noreturn]] CUPAGED_SIM_TRUSTED static void abort_fiber() {
   g.failed = true;
   switch_to(&g.cur->fiber, &g.sched);
   __builtin_unreachable();
 }
 
-static void make_runnable(SimThread* t) {
+CUPAGED_SIM_TRUSTED static void make_runnable(SimThread* t) {
   t->state = RUNNABLE;
   g.queue[g.qtail] = t->linear;
   g.qtail = (g.qtail + 1) % (kMaxThreads * 2);
 }
 
-static void block_wait() { switch_to(&g.cur->fiber, &g.sched); if (g.failed) abort_fiber(); }
+CUPAGED_SIM_TRUSTED static void block_wait() { switch_to(&g.cur->fiber, &g.sched); if (g.failed) abort_fiber(); }
 
-static unsigned long long next_random() {  // splitmix64
+CUPAGED_SIM_TRUSTED static unsigned long long next_random() {  // splitmix64
   unsigned long long z = (g.rng += 0x9E3779B97F4A7C15ull);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -321,7 +325,7 @@ static unsigned long long next_random() {  // splitmix64
 // front, so each warp runs ahead alone until the next block barrier (depth first). Random: at each
 // block barrier one of the two at random, with the warps (depth first) or all threads (lockstep)
 // shuffled. A barrier missing between warps shows as a result that depends on the order.
-static void release(int* ids, int n, bool warp = false) {
+CUPAGED_SIM_TRUSTED static void release(int* ids, int n, bool warp = false) {
   if (g.order == 2 && !warp) {
     g.depth_first = next_random() & 1;
     if (g.depth_first && n == g.nthreads) {  // whole warps in a random order, lanes shuffled inside each
@@ -356,7 +360,7 @@ static void settle_activemask(Warp* w);
 
 // Lanes of a warp (bit l of mask: thread base + l) done waiting at a warp collective: the current
 // thread goes on running, the others are queued.
-static void release_lanes(int base, unsigned mask) {
+CUPAGED_SIM_TRUSTED static void release_lanes(int base, unsigned mask) {
   int ids[32], n = 0;
   for (int l = 0; l < 32; ++l) {
     if (!(mask >> l & 1u)) continue;
@@ -367,7 +371,7 @@ static void release_lanes(int base, unsigned mask) {
 }
 
 // ---------------------------------------------------------------- barriers
-static void release_barrier() {
+CUPAGED_SIM_TRUSTED static void release_barrier() {
   SimThread* first = nullptr;
   int count = 0, ids[kMaxThreads], n = 0;
   for (int i = 0; i < g.nthreads; ++i) {
@@ -390,7 +394,7 @@ static void release_barrier() {
   release(ids, n);
 }
 
-__attribute__((noinline)) static int barrier(int kind, int pred, int line, const void* site) {
+CUPAGED_SIM_TRUSTED __attribute__((noinline)) static int barrier(int kind, int pred, int line, const void* site) {
   SimThread* t = g.cur;
   if (g.exited) {
     set_error(E_SYNC, "%s (line %d) reached after %d thread(s) of the block exited: every thread of the block must reach it",
@@ -412,7 +416,7 @@ __attribute__((noinline)) static int barrier(int kind, int pred, int line, const
 // point: a lane that calls it waits until every other lane of its warp has reached some
 // scheduling point (a barrier, a collective, exit, or an __activemask), then learns which lanes
 // wait at its call site. Lanes that took another branch are not in the mask, as on the GPU.
-static void settle_activemask(Warp* w) {
+CUPAGED_SIM_TRUSTED static void settle_activemask(Warp* w) {
   if (!w->am_waiting) return;
   int base = int(w - g.warps) * 32;
   unsigned waiting = 0;
@@ -434,7 +438,7 @@ static void settle_activemask(Warp* w) {
   }
 }
 
-__attribute__((noinline)) static unsigned activemask(const void* site, int line) {
+CUPAGED_SIM_TRUSTED __attribute__((noinline)) static unsigned activemask(const void* site, int line) {
   SimThread* t = g.cur;
   Warp* w = &g.warps[t->warp];
   t->am_site = site;
@@ -448,7 +452,7 @@ __attribute__((noinline)) static unsigned activemask(const void* site, int line)
 }
 
 // ---------------------------------------------------------------- warp collectives
-static unsigned long long lane_value(Warp* w, Group* gr, int from_lane, int lane, int src) {
+CUPAGED_SIM_TRUSTED static unsigned long long lane_value(Warp* w, Group* gr, int from_lane, int lane, int src) {
   SimThread* me = &g.threads[from_lane];
   if (!(gr->mask >> src & 1u) || !(gr->arrived >> src & 1u)) {
     g.cur = me;
@@ -462,7 +466,7 @@ static unsigned long long lane_value(Warp* w, Group* gr, int from_lane, int lane
 
 static void finish_warp_op(Warp* w, Group* gr);
 
-static void finish_group(Warp* w, Group* gr) {
+CUPAGED_SIM_TRUSTED static void finish_group(Warp* w, Group* gr) {
   if (gr->kind == WARP_OP) { finish_warp_op(w, gr); return; }
   int base = int(w - g.warps) * 32;
   unsigned long long acc = 0;
@@ -525,9 +529,9 @@ static void finish_group(Warp* w, Group* gr) {
   release_lanes(base, gr->arrived);
 }
 
-static bool group_complete(Warp* w, Group* gr) { return (gr->mask & w->live & ~gr->arrived) == 0; }
+CUPAGED_SIM_TRUSTED static bool group_complete(Warp* w, Group* gr) { return (gr->mask & w->live & ~gr->arrived) == 0; }
 
-__attribute__((noinline)) static unsigned long long collective(int kind, unsigned mask, unsigned long long value,
+CUPAGED_SIM_TRUSTED __attribute__((noinline)) static unsigned long long collective(int kind, unsigned mask, unsigned long long value,
                                                                int arg, int width, int line, int* pred_out = nullptr) {
   SimThread* t = g.cur;
   Warp* w = &g.warps[t->warp];
@@ -566,7 +570,7 @@ __attribute__((noinline)) static unsigned long long collective(int kind, unsigne
 
 // A warp-wide `.sync.aligned` instruction (mma.sync, ldmatrix, stmatrix): every lane of the warp
 // executes the same instruction (the same inline-PTX statement); the last to arrive computes all.
-__attribute__((noinline)) static void warp_op(const char* name, void (*compute)(int), const void* site, int line) {
+CUPAGED_SIM_TRUSTED __attribute__((noinline)) static void warp_op(const char* name, void (*compute)(int), const void* site, int line) {
   SimThread* t = g.cur;
   Warp* w = &g.warps[t->warp];
   Group* gr = nullptr;
@@ -590,7 +594,7 @@ __attribute__((noinline)) static void warp_op(const char* name, void (*compute)(
   else { settle_activemask(w); block_wait(); }
 }
 
-static void finish_warp_op(Warp* w, Group* gr) {
+CUPAGED_SIM_TRUSTED static void finish_warp_op(Warp* w, Group* gr) {
   int base = int(w - g.warps) * 32;
   if (gr->arrived != 0xFFFFFFFFu) {
     unsigned missing = ~gr->arrived;
@@ -604,7 +608,7 @@ static void finish_warp_op(Warp* w, Group* gr) {
   release_lanes(base, 0xFFFFFFFFu);
 }
 
-static void thread_exit() {
+CUPAGED_SIM_TRUSTED static void thread_exit() {
   SimThread* t = g.cur;
   t->state = DONE;
   ++g.exited;
@@ -624,7 +628,7 @@ static void thread_exit() {
 }
 
 // ---------------------------------------------------------------- deadlock report
-static void report_deadlock() {
+CUPAGED_SIM_TRUSTED static void report_deadlock() {
   g.cur = nullptr;
   set_error(E_SYNC, "deadlock in block (%u,%u,%u): no thread can proceed.", g.block_idx.x, g.block_idx.y, g.block_idx.z);
   for (int wi = 0; wi < g.nwarps; ++wi) {
@@ -653,7 +657,7 @@ static void report_deadlock() {
 // ---------------------------------------------------------------- instrumentation
 // A fault found by instrumentation (alignment, bounds) at address a, after set_error: Python adds
 // whose memory a is (fault_decoded 3).
-[[noreturn]] __attribute__((no_sanitize_address)) static void instrumented_fault(unsigned long long a, bool write) {
+[[noreturn]] CUPAGED_SIM_TRUSTED static void instrumented_fault(unsigned long long a, bool write) {
   g.err.fault_addr = a;
   g.err.fault_write = write;
   g.err.fault_decoded = 3;
@@ -683,7 +687,7 @@ static const int kSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGVTALRM};
 // A general-protection fault (a non-canonical address; SI_KERNEL) comes with si_addr 0: the real
 // address is decoded from the faulting instruction (cupaged_sim_fault.h), as are, for any memory
 // fault, the registers it was computed from.
-static void record_fault(siginfo_t* si, void* uctx) {
+CUPAGED_SIM_TRUSTED static void record_fault(siginfo_t* si, void* uctx) {
   g.err.fault_addr = reinterpret_cast<uintptr_t>(si->si_addr);
 #if defined(__x86_64__)
   const greg_t* r = static_cast<ucontext_t*>(uctx)->uc_mcontext.gregs;
@@ -710,7 +714,7 @@ static void record_fault(siginfo_t* si, void* uctx) {
 #endif
 }
 
-static void on_signal(int sig, siginfo_t* si, void* uctx) {
+CUPAGED_SIM_TRUSTED static void on_signal(int sig, siginfo_t* si, void* uctx) {
   g.err.signo = sig;
   if (sig == SIGSEGV || sig == SIGBUS) record_fault(si, uctx);
   int code = sig == SIGSEGV || sig == SIGBUS ? E_MEMORY : sig == SIGVTALRM ? E_TIMEOUT : sig == SIGFPE ? E_TRAP : E_OTHER;
@@ -729,7 +733,7 @@ static void on_signal(int sig, siginfo_t* si, void* uctx) {
 }
 
 // ---------------------------------------------------------------- launch
-static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fill) {
+CUPAGED_SIM_TRUSTED static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fill) {
   g.block_idx = uint3{bx, by, bz};
   memset(tls, g.poison, fill);
   g.qhead = g.qtail = 0;
@@ -769,7 +773,7 @@ static int run_block(unsigned bx, unsigned by, unsigned bz, char* tls, size_t fi
   return OK;
 }
 
-static int run_grid(const LaunchConfig* cfg) {
+CUPAGED_SIM_TRUSTED static int run_grid(const LaunchConfig* cfg) {
   memset(&g.err, 0, sizeof g.err);
   g.cur = nullptr;
   g.failed = false;
@@ -854,7 +858,7 @@ static int run_grid(const LaunchConfig* cfg) {
 
 // Every pointer the launch lent (the profiler's record, the table of guarded arrays: Python frees
 // them when the call returns; the wrapper's context on its stack) is forgotten on every path out.
-static void end_launch() {
+CUPAGED_SIM_TRUSTED static void end_launch() {
   CUPAGED_SIM_PROF(prof_launch_end());
   g_prof = nullptr;
   g_regions = nullptr;
@@ -865,7 +869,7 @@ static void end_launch() {
   g.cur = nullptr;
 }
 
-static int run_launch(const LaunchConfig* cfg) {
+CUPAGED_SIM_TRUSTED static int run_launch(const LaunchConfig* cfg) {
   int rc = run_grid(cfg);
   end_launch();
   return rc;

@@ -27,7 +27,7 @@ inline double element(unsigned reg, int i, int type) {  // element i (lowest bit
 // m16n8kK, A row-major 16xK, B column-major Kx8, C/D 16x8. Operands of a lane, in order: A registers,
 // B registers, C registers; D registers come out (4 f32, or 2 f16x2 when CF16).
 template <int K, int TA, int TB, bool CF16>
-CUPAGED_SIM_PROF(__attribute__((no_sanitize_thread))) void mma_compute(int base) {
+CUPAGED_SIM_TRUSTED CUPAGED_SIM_PROF(__attribute__((no_sanitize_thread))) void mma_compute(int base) {
   CUPAGED_SIM_PROF(if (g_prof) g_prof->mma_flops += 2ull * 16 * 8 * K);
   constexpr bool kFp8 = TA >= T_E4M3;
   constexpr int kPer = kFp8 ? 4 : 2;             // elements per 32-bit register
@@ -75,7 +75,7 @@ inline void mma(const void* site, int line, const unsigned* in, unsigned* out) {
 // each, 16-byte aligned) of matrix i; register i of lane l holds row l/4, elements 2(l%4), 2(l%4)+1
 // (with .trans: column l/4, rows 2(l%4), 2(l%4)+1), the lower-numbered element in the low half.
 template <int NUM, bool TRANS, bool STORE>
-CUPAGED_SIM_PROF(__attribute__((no_sanitize_thread))) void matrix_compute(int base) {
+CUPAGED_SIM_TRUSTED CUPAGED_SIM_PROF(__attribute__((no_sanitize_thread))) void matrix_compute(int base) {
   unsigned short M[NUM][8][8];
   char* row[NUM][8];
   for (int i = 0; i < NUM; ++i)
