@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     a("--backend", choices=("auto", "sim", "cuda"), default="auto", help="auto: cuda when a GPU is present, else sim")
     a("--seed", type=_count(0, None), default=0, help="seed of the weights and the requests")
     a("--dtype", choices=tuple(DTYPES), default="float32", help="weights, activations and KV cache")
-    g = p.add_argument_group("sizes (the defaults take ~11 s on the sim with a warm compile cache)")
+    g = p.add_argument_group("sizes (the defaults take ~12 s on the sim with a warm compile cache)")
     for flag, default, minimum, text in SIZES:
         kind = _count(2, MAX_HEAD_SIZE, even=True) if flag == "head-dim" else _count(minimum)
         g.add_argument(f"--{flag}", type=kind, default=default, metavar="N", help=text)
