@@ -8,14 +8,13 @@ pages, so a kernel running past one cache faults instead of silently reading the
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from cupaged import sim
 from cupaged._cache_args import cache_dtype
 from cupaged._checks import check_choice, check_int, float_dtype
 from cupaged.pool._batch_plan import resolve_array_module
+from cupaged.sim._memory import physical_memory
 
 __all__ = ["KVCache", "KVCacheTooLarge"]
 
@@ -78,8 +77,8 @@ class KVCache:
         self.xp = resolve_array_module(xp)
         # The sim maps its caches lazily but poisons every byte at once: past the host's memory that would
         # thrash, or get the process killed, rather than fail
-        if self.xp is sim and self.nbytes > _host_memory():
-            raise KVCacheTooLarge(f"{self._needs()}, more than the host's {_size(_host_memory())} of memory the "
+        if self.xp is sim and self.nbytes > physical_memory():
+            raise KVCacheTooLarge(f"{self._needs()}, more than the host's {_size(physical_memory())} of memory the "
                                   "sim's caches live in; lower num_blocks (KVCache.num_blocks_for)")
         try:
             self.key_caches = [self._allocate(self.key_shape) for _ in range(self.num_layers)]
@@ -164,6 +163,3 @@ class KVCache:
                 f"dtype={self.dtype}, layout={self.layout!r}, kv_cache_dtype={self.kv_cache_dtype!r}, "
                 f"backend={'sim' if self.xp is sim else 'cuda'}, {self.nbytes / 2**20:.1f} MiB)")
 
-
-def _host_memory() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

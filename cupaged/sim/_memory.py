@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 
 __all__ = ["GuardedBuffer", "empty", "zeros", "empty_like", "zeros_like", "asarray", "guarded_buffer", "live_buffers",
-           "regions"]
+           "physical_memory", "regions"]
 
 PAGE = mmap.PAGESIZE
 GUARD = 1 << 30  # bytes of PROT_NONE address space on each side of the data
@@ -51,7 +51,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-def _physical_memory() -> int:
+def physical_memory() -> int:
+    """Bytes of RAM: sim memory is written whole at birth (poison), so more than this cannot work."""
     return os.sysconf("SC_PHYS_PAGES") * PAGE
 
 
@@ -64,9 +65,9 @@ class GuardedBuffer(mmap.mmap):
         # already a multiple of 16, so a read just past the end of most arrays did not fault).
         span = -(-nbytes // 16) * 16
         inner = max(PAGE, -(-span // PAGE) * PAGE)
-        if inner > _physical_memory():  # every byte is written (poison): past RAM the OOM killer would end the process
+        if inner > physical_memory():  # every byte is written (poison): past RAM the OOM killer would end the process
             raise MemoryError(f"cannot allocate {nbytes} bytes of guarded sim memory: more than this machine's "
-                              f"{_physical_memory()} bytes of RAM")
+                              f"{physical_memory()} bytes of RAM")
         self = super().__new__(cls, -1, inner + 2 * GUARD,
                                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
         self.nbytes = nbytes

@@ -68,19 +68,17 @@ def _instrumented(err, staged: "Staging", addr: int) -> str:
     msg = err.msg.decode(errors="replace")
     found = staged.locate(addr, (), tuple(err.regs) if err.fault_write else ())
     if found is not None and found[1]:
-        i, buf = found[0], staged.buffers[found[0]]
-        off = _offset(addr, staged.ptr[i])
-        span = f"{buf.valid[0] - staged.ptr[i]}..{buf.valid[1] - staged.ptr[i]}"
-        return f"{msg}: {staged.names[i]} at byte offset {off} (its bytes span {span}; address {addr:#x})"
+        i = found[0]
+        return (f"{msg}: {staged.names[i]} at byte offset {_offset(addr, staged.ptr[i])} (its bytes span "
+                f"{staged.span(i)}; address {addr:#x})")
     other = next((b for b in live_buffers() if b.base_addr <= addr < b.end_addr), None)
     note = (f" (in the memory of a {other.nbytes}-byte guarded array that is not an argument of this launch)"
             if other is not None else "")
     if found is None:
         return f"{msg}: address {addr:#x} (not inside any argument){note}"
-    i, buf = found[0], staged.buffers[found[0]]
-    span = f"{buf.valid[0] - staged.ptr[i]}..{buf.valid[1] - staged.ptr[i]}"
+    i = found[0]
     return (f"out-of-bounds write of {staged.names[i]} at byte offset {_offset(addr, staged.ptr[i])}: address "
-            f"{addr:#x}, far outside its memory (its bytes span {span}){note}; stopped before it landed")
+            f"{addr:#x}, far outside its memory (its bytes span {staged.span(i)}){note}; stopped before it landed")
 
 
 class Staging:
@@ -119,6 +117,11 @@ class Staging:
         for i, a, buf in direct:
             self.ptr[i] = a.__array_interface__["data"][0]
             self.buffers[i] = buf
+
+    def span(self, i) -> str:
+        """Argument i's own bytes, as byte offsets from its pointer."""
+        lo, hi = self.buffers[i].valid
+        return f"{lo - self.ptr[i]}..{hi - self.ptr[i]}"
 
     def _pointed(self, r):
         """The argument whose own bytes hold address r (its guard zones are too wide to tell: a

@@ -78,7 +78,7 @@ static unsigned g_granules_used[4096];  // the entries the previous launch fille
 static int g_ngranules_used = -1;         // -1: the table was never cleared
 
 // The launch's tables: the granules of its regions, and where else a store may go.
-__attribute__((no_sanitize_address)) static void build_granules(char* stacks, size_t stacks_size) {
+__attribute__((no_sanitize_address)) static void build_tables(char* stacks, size_t stacks_size) {
   if (g_ngranules_used < 0)
     for (auto& e : cupaged_sim_granules) e[0] = kSlotEmpty;
   for (int i = 0; i < g_ngranules_used; ++i) cupaged_sim_granules[g_granules_used[i]][0] = kSlotEmpty;
@@ -145,7 +145,6 @@ extern "C" __attribute__((visibility("hidden"), no_sanitize_address)) void cupag
   if (write) {
     for (auto& ok : cupaged_sim_store_ok)
       if (a >= ok[0] && a - ok[0] + n <= ok[1]) return;
-    g_hook_addr = a;
     wild_store(a, n, false);
   }
   // a load in no guarded array (shared memory, a stack, the sim's state), or wild

@@ -21,7 +21,6 @@
 #include <sys/time.h>
 #include <unistd.h>
 #include <algorithm>
-#include <vector>
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -162,9 +161,8 @@ struct Engine {
   ErrorInfo err;
 };
 
-// A thread's cp.async copies in flight, oldest first. Its storage is the engine's own, outside the
-// module's checked memory (the C library's heap), so its code is not instrumented: a store there
-// from instrumented code would be a wild store.
+// A thread's cp.async copies in flight, oldest first, in the C library's heap: outside what a kernel
+// may write, so push is trusted code (clear writes only the engine's state).
 struct AsyncQueue {
   AsyncCopy* data = nullptr;
   size_t head = 0, size = 0, cap = 0;
@@ -799,7 +797,7 @@ CUPAGED_SIM_TRUSTED static int run_grid(const LaunchConfig* cfg) {
   g.smem_base = tls;
   g.smem_size = cfg->tls_dyn_offset + cfg->shared_mem;
   if (!map_stacks()) { set_error(E_OTHER, "cannot map fiber stacks"); return E_OTHER; }
-  build_granules(g_stack_area, kStackSize * kMaxThreads);
+  build_tables(g_stack_area, kStackSize * kMaxThreads);
   size_t page = 4096, smem = cfg->shared_mem;
   size_t protect_from = (smem + page - 1) / page * page;
   size_t fill = size_t(dyn - tls) + protect_from;
