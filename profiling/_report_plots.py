@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on the machines this runs on
 import matplotlib.pyplot as plt  # noqa: E402
 
+from cupaged.sim.model import TERM_NAMES  # noqa: E402
+
 ARCHS = ("sm_80", "sm_90")
 MODEL_NOTE = "modeled (H200 model, not a measurement)"
 
@@ -127,6 +129,62 @@ def plot_kernel_traffic(rows, path):
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in kernels]
     fig.legend(handles, kernels, loc="outside lower center", fontsize=7)
     fig.suptitle(_title("per kernel launch: global traffic and shared-memory conflicts",
+                        [r for r in rows if r.get("source") == "model"]), fontsize=10)
+    _save(fig, path)
+
+
+def short_kernel(name: str) -> str:
+    """cupaged::paged_decode_kernel<__half, 0, 128, false> -> paged_decode."""
+    return name.split("<")[0].removeprefix("cupaged::").removesuffix("_kernel")
+
+
+def launch_terms(rows) -> list[tuple[str, str, dict]]:
+    """(row config, kernel, {modeled_us, bound, counted, each of the model's TERM_NAMES in µs, summed
+    over the waves}) per launch of the model rows, in row order. ``counted``: the launch's warp
+    instructions were counted (else its issue and mufu terms are 0 for want of a count, not a
+    measurement of 0). Rows of model v1 have fp32 in place of issue and mufu: a term a launch's
+    terms_us lacks reads as 0."""
+    return [(_config(r), l["kernel"], {"modeled_us": l.get("modeled_us"), "bound": l.get("bound"),
+                                       "counted": l.get("warp_instructions") is not None,
+                                       **{t: float((l.get("terms_us") or {}).get(t) or 0.0) for t in TERM_NAMES}})
+            for r in rows if r.get("source") == "model" for l in r.get("launches") or ()]
+
+
+def terms_markdown(rows) -> str:
+    """model_terms.md: a line per launch of the model rows; issue and mufu are '-' where the launch's
+    instructions were not counted."""
+    lines = ["| config | kernel | modeled µs | bound | " + " | ".join(f"{t} µs" for t in TERM_NAMES) + " |",
+             "|" + "---|" * (4 + len(TERM_NAMES))]
+    for config, kernel, terms in launch_terms(rows):
+        modeled = "?" if terms["modeled_us"] is None else f"{terms['modeled_us']:.2f}"
+        cells = ["-" if t in ("issue", "mufu") and not terms["counted"] else f"{terms[t]:.2f}" for t in TERM_NAMES]
+        lines.append(f"| {config} | `{kernel}` | {modeled} | {terms['bound'] or '?'} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_model_terms(rows, path):
+    items = launch_terms(rows)
+    if not items:
+        return "no model rows with launches"
+    fig, ax = plt.subplots(figsize=(11, 2 + 0.45 * len(items)), layout="constrained")
+    height = 0.8 / len(TERM_NAMES)
+    for k, term in enumerate(TERM_NAMES):  # a term of 0 draws no bar on the log axis
+        ys = [i - 0.4 + (k + 0.5) * height for i in range(len(items))]
+        ax.barh(ys, [terms[term] for _, _, terms in items], height=height, color=plt.cm.tab10(k), label=term)
+    modeled = [(i, terms["modeled_us"]) for i, (_, _, terms) in enumerate(items) if terms["modeled_us"]]
+    if modeled:
+        ax.scatter([t for _, t in modeled], [i for i, _ in modeled], marker="|", s=200, color="k",
+                   label="modeled time", zorder=3)
+    positive = [terms[t] for _, _, terms in items for t in TERM_NAMES if terms[t] > 0]
+    ax.set_xscale("log")
+    if positive:  # terms under 0.01 µs (a launch's overhead is 2 µs) would only stretch the axis
+        ax.set_xlim(left=max(min(positive) / 2, 1e-2))
+    ax.set_yticks(range(len(items)), [f"{config} · {short_kernel(kernel)}" for config, kernel, _ in items], fontsize=7)
+    ax.set_ylim(len(items) - 0.5, -0.5)
+    ax.set_xlabel("µs, each term summed over the launch's waves")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(_title("per kernel launch: the H200 model's terms (the largest bounds the launch)",
                         [r for r in rows if r.get("source") == "model"]), fontsize=10)
     _save(fig, path)
 

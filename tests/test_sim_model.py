@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import numpy as np
 import pytest
 
@@ -23,40 +26,85 @@ def test_ctas_per_sm(registers, threads, smem, arch, expected):
 
 
 def _terms(**kw):
-    base = dict(unique_bytes=0.0, bytes=0.0, inflight_bytes=0.0, wavefronts=0.0, mma_flops=0.0, cuda_core_flops=0.0)
+    base = dict(unique_bytes=0.0, bytes=0.0, inflight_bytes=0.0, wavefronts=0.0, mma_flops=0.0, warp_instructions=0.0,
+                mufu_instructions=0.0)
     return Terms(**{**base, **kw})
 
 
 def test_hbm_bound_full_waves():
-    # 2 waves of 132 SMs x 2 CTAs, each CTA 1 MB unique with ample bytes in flight: 528 MB / 4.8 TB/s
+    # 2 waves of 132 SMs x 2 CTAs, each CTA 1 MB unique with ample bytes in flight: 528 MB / 4.3 TB/s
     t = _terms(unique_bytes=1e6, bytes=1e6, inflight_bytes=64e3)
     us, bound, waves, terms = model.launch_time_us(t, 528, 2)
     assert waves == 2 and bound == "hbm"
-    assert us == pytest.approx(2.0 + 528e6 / 4.8e12 * 1e6)
-    assert terms["hbm"] == pytest.approx(110.0)
+    assert us == pytest.approx(2.0 + 528e6 / 4.3e12 * 1e6)
+    assert terms["hbm"] == pytest.approx(528e6 / 4.3e12 * 1e6)  # ~122.8 µs
+    assert tuple(terms) == ("hbm", "latency", "shared", "mma", "issue", "mufu") == model.TERM_NAMES
 
 
 def test_littles_law_bounds_a_thin_pipeline():
-    # 132 CTAs, one per SM, 2 KB in flight each: 132 * 2 KB / 0.8 µs = 337.92 GB/s < HBM
+    # 132 CTAs, one per SM, 2 KB in flight each: 132 * 2 KB / 0.8 µs = 337.92 GB/s < 4.3 TB/s
     t = _terms(unique_bytes=1e6, bytes=1e6, inflight_bytes=2048)
     us, bound, waves, terms = model.launch_time_us(t, 132, 1)
     assert bound == "latency" and waves == 1
     assert us == pytest.approx(2.0 + 132e6 / (132 * 2048 / 0.8e-6) * 1e6)
-    assert H200.little_bytes_per_sm == pytest.approx(4.8e12 * 0.8e-6 / 132)  # ~29 KB
+    assert H200.little_bytes_per_sm == pytest.approx(4.3e12 * 0.8e-6 / 132)  # ~26 KB
 
 
-def test_tail_wave_and_compute_terms():
-    # 140 CTAs at 1 per SM: a full wave of 132 and a tail of 8 (one per SM); each CTA 1.83e6 shared
-    # wavefronts = 1 ms at 1.83 GHz, so 2 waves x 1000 µs; mma and fp32 terms per SM
-    t = _terms(wavefronts=1.83e6)
-    us, bound, waves, _ = model.launch_time_us(t, 140, 1)
-    assert (waves, bound) == (2, "shared") and us == pytest.approx(2.0 + 2000.0)
+def test_issue_bound():
+    # 132 CTAs, one per SM, each issuing 1e6 warp instructions: 4 schedulers at 1.83 GHz,
+    # 1e6 / (4 x 1.83e9) s = 136.6 µs; two CTAs stacked per SM (264 at 2 per SM) take twice that
+    t = _terms(unique_bytes=1e3, bytes=1e3, inflight_bytes=1e3, warp_instructions=1e6)
+    us, bound, waves, terms = model.launch_time_us(t, 132, 1)
+    assert (bound, waves) == ("issue", 1)
+    assert terms["issue"] == pytest.approx(1e6 / (4 * 1.83e9) * 1e6) and us == pytest.approx(2.0 + terms["issue"])
+    us, bound, _, _ = model.launch_time_us(t, 264, 2)
+    assert bound == "issue" and us == pytest.approx(2.0 + 2e6 / (4 * 1.83e9) * 1e6)
+
+
+def test_mufu_bound():
+    # 264 CTAs at 2 per SM, each 1e5 warp instructions, all MUFU (exp2): per SM 2e5 MUFU warp
+    # instructions x 32 lanes / 16 lanes per clock = 4e5 clocks = 218.6 µs; issue is 2e5 / 4 clocks
+    t = _terms(warp_instructions=1e5, mufu_instructions=1e5)
+    us, bound, _, terms = model.launch_time_us(t, 264, 2)
+    assert bound == "mufu" and us == pytest.approx(2.0 + 2e5 * 2 / 1.83e9 * 1e6)
+    assert terms["issue"] == pytest.approx(2e5 / (4 * 1.83e9) * 1e6)
+
+
+def test_hbm_term_is_the_unique_bytes_with_a_partial_wave():
+    # 300 CTAs at 1 per SM: waves of 132, 132 and 36. HBM is device-wide: 300 x 1 MB / 4.3 TB/s,
+    # however the waves split them. The partial wave's 36 CTAs keep 36 x 2 KB in flight, so each
+    # streams its 1 MB at 2 KB per 0.8 µs like a full wave's: 3 waves x 390.6 µs of latency.
+    t = _terms(unique_bytes=1e6, bytes=1e6, inflight_bytes=2048)
+    us, bound, waves, terms = model.launch_time_us(t, 300, 1)
+    assert terms["hbm"] == pytest.approx(300e6 / 4.3e12 * 1e6, rel=1e-12)
+    assert (waves, bound) == (3, "latency")
+    assert terms["latency"] == pytest.approx(3 * 1e6 * 0.8e-6 / 2048 * 1e6)
+    assert us == pytest.approx(2.0 + terms["latency"])
+
+
+@pytest.mark.parametrize("ctas, per_sm, busiest", [
+    (140, 1, [1, 1]),     # a full wave of 132 and a tail of 8, one per SM
+    (400, 2, [2, 2]),     # 264 + 136: the tail's 136 CTAs over 132 SMs put 2 on the busiest
+    (628, 4, [4, 1]),     # 528 + 100: one CTA on each of 100 SMs
+    (50, 4, [1]),         # a lone partial wave
+])
+def test_tail_wave_is_its_busiest_sm(ctas, per_sm, busiest):
+    # each CTA: 1.83e6 shared wavefronts (1 ms at 1.83 GHz), 1e6 warp instructions (136.6 µs),
+    # 1e3 MUFU ones (1.1 µs), 1e9 mma FLOPs (200 µs at 660 TFLOP/s / 132 SMs); each wave's per-SM
+    # terms are its busiest SM's CTAs times those
+    t = _terms(wavefronts=1.83e6, warp_instructions=1e6, mufu_instructions=1e3, mma_flops=1e9)
+    us, bound, waves, terms = model.launch_time_us(t, ctas, per_sm)
+    assert (waves, bound) == (len(busiest), "shared")
+    assert us == pytest.approx(2.0 + sum(busiest) * 1000.0)
+    assert terms["issue"] == pytest.approx(sum(busiest) * 1e6 / (4 * 1.83e9) * 1e6)
+    assert terms["mufu"] == pytest.approx(sum(busiest) * 1e3 * 2 / 1.83e9 * 1e6)
+    assert terms["mma"] == pytest.approx(sum(busiest) * 1e9 / (660e12 / 132) * 1e6)
+
+
+def test_mma_bound():
     t = _terms(mma_flops=5e9 / 132 * 132)  # one CTA per SM: per-SM mma rate 660e12 / 132
     us, bound, _, _ = model.launch_time_us(t, 132, 1)
     assert bound == "mma" and us == pytest.approx(2.0 + 5e9 / (660e12 / 132) * 1e6)
-    t = _terms(cuda_core_flops=1e6)
-    us, bound, _, _ = model.launch_time_us(t, 264, 2)  # two CTAs stacked per SM
-    assert bound == "fp32" and us == pytest.approx(2.0 + 2e6 / (2 * 128 * 1.83e9) * 1e6)
 
 
 def test_empty_launch_costs_the_overhead():
@@ -72,11 +120,9 @@ extern "C" __global__ void copy_f32(const float* src, float* dst, int n) {
 """
 
 
-def test_model_of_a_profiled_copy():
-    # 132 CTAs x 128 threads, one float each: 512 B read + 512 B written per CTA, one 4-byte load in
-    # flight per thread (512 B per CTA). One wave (a handful of registers: 16 CTAs/SM fit), one CTA per
-    # SM: Little's law gives 132 x 512 B / 0.8 µs = 84.48 GB/s, so the latency term bounds:
-    # 132 x 1024 B / 84.48 GB/s = 1.6 µs, plus the 2 µs launch.
+@pytest.fixture(scope="module")
+def copy_profile():
+    """132 CTAs x 128 threads of COPY, one float each, profiled."""
     from cupaged import sim
 
     n = 132 * 128
@@ -86,15 +132,77 @@ def test_model_of_a_profiled_copy():
     with sim.profile() as prof:
         kernel((132,), (128,), (src, dst, np.int32(n)))
     np.testing.assert_array_equal(dst, src)
-    m = prof.launches[0].model
+    return prof
+
+
+def test_model_of_a_profiled_copy(copy_profile):
+    # 512 B read + 512 B written per CTA, one 4-byte load in flight per thread (512 B per CTA). One
+    # wave (a handful of registers: 16 CTAs/SM fit), one CTA per SM: Little's law gives 132 x 512 B /
+    # 0.8 µs = 84.48 GB/s, so the latency term bounds: 132 x 1024 B / 84.48 GB/s = 1.6 µs, plus the
+    # 2 µs launch. A few instructions per warp, 4 warps per SM: nanoseconds of issue.
+    n = 132 * 128
+    launch = copy_profile.launches[0]
+    m = launch.model
     assert (m.ctas, m.waves, m.bound, m.unique_bytes, m.bytes) == (132, 1, "latency", 2 * 4 * n, 2 * 4 * n)
     assert m.ctas_per_sm == 16 and m.min_bytes is None and m.traffic_ratio is None
     assert m.time_us == pytest.approx(2.0 + 1.6)
-    projected = _launch_model.model_of(prof.launches[0], ctas=132 * 16 * 3)  # 3 full waves, 16 CTAs per SM
+    assert m.terms_us["hbm"] == pytest.approx(2 * 4 * n / 4.3e12 * 1e6)
+    counted = getattr(launch, "warp_instructions", None)
+    assert m.warp_instructions == counted
+    assert m.terms_us["issue"] == pytest.approx((counted or 0) / 132 / (4 * 1.83e9) * 1e6)
+    projected = _launch_model.model_of(launch, ctas=132 * 16 * 3)  # 3 full waves, 16 CTAs per SM
     assert (projected.waves, projected.bound) == (3, "latency")
     assert projected.time_us == pytest.approx(2.0 + 3 * 1024 * 132 * 16 / (512 * 16 * 132 / 0.8e-6) * 1e6)
-    table = prof.table()
+    table = copy_profile.table()
     assert "copy_f32" in table and "132×1×1 × 128×1×1" in table and "a proxy, not a measurement" in table
+    assert "issue µs" in table and "| bound" in table and "4.3 TB/s" in table and "4.8 TB/s" in table
+
+
+def _with_counts(launch, **counts):
+    """``launch`` with instruction counts set by hand (read by the model like the profiler's own)."""
+    fields = {f.name: getattr(launch, f.name) for f in dataclasses.fields(launch)}
+    ns = types.SimpleNamespace(**{**fields, **counts})
+    ns.model = _launch_model.model_of(ns)
+    return ns
+
+
+def test_model_of_counted_instructions(copy_profile):
+    # The copy's 132 CTAs made to issue 1e6 warp instructions each, 2,000 of them MUFU: one CTA per
+    # SM, issue = 1e6 / (4 x 1.83e9) s = 136.6 µs bounds (over 1.6 µs of latency); mufu = 2,000 x 32
+    # / 16 clocks = 2.19 µs. Projected to 3 waves of 16 CTAs per SM: 48 CTAs per SM, 48 x that issue.
+    mix = dict(total=132 * 10**6, mma=0, fp32=132 * 10**5, mufu=132 * 2000, memory=132 * 10**5, int_control=0)
+    mix["int_control"] = mix["total"] - sum(v for k, v in mix.items() if k != "total")
+    launch = _with_counts(copy_profile.launches[0], warp_instructions=132 * 10**6, instruction_mix=mix)
+    m = launch.model
+    assert (m.bound, m.warp_instructions, m.instruction_mix) == ("issue", 132 * 10**6, mix)
+    assert m.terms_us["issue"] == pytest.approx(1e6 / (4 * 1.83e9) * 1e6)
+    assert m.terms_us["mufu"] == pytest.approx(2000 * 32 / 16 / 1.83e9 * 1e6)
+    assert m.time_us == pytest.approx(2.0 + 1e6 / (4 * 1.83e9) * 1e6)
+    ctas = 132 * 16 * 3
+    projected = _launch_model.model_of(launch, ctas=ctas)
+    assert (projected.bound, projected.warp_instructions) == ("issue", ctas * 10**6)
+    assert projected.instruction_mix == {k: v * ctas // 132 for k, v in mix.items()}
+    assert projected.time_us == pytest.approx(2.0 + 48 * 1e6 / (4 * 1.83e9) * 1e6)
+    table = _launch_model.table([launch])
+    assert f"| {m.terms_us['issue']:.1f} " in table and "| issue " in table and "not counted" not in table
+
+
+def test_uncounted_instructions_say_why(copy_profile):
+    note = "nvdisasm not found: install the [profiling] extra"
+    launch = _with_counts(copy_profile.launches[0], warp_instructions=None, instruction_mix=None,
+                          instructions_note=note)
+    m = launch.model
+    assert (m.warp_instructions, m.instruction_mix, m.terms_us["issue"], m.terms_us["mufu"]) == (None, None, 0.0, 0.0)
+    assert m.bound == "latency" and m.time_us == pytest.approx(2.0 + 1.6)
+    table = _launch_model.table([launch])
+    assert f"Instructions not counted ({note}): the issue and mufu terms are 0 for copy_f32." in table
+
+
+def test_pct_of_achievable_and_peak_bandwidth():
+    # 1 GB declared moved in 250 µs + 2 µs: 3.968 TB/s, 82.7% of 4.8 TB/s, 92.3% of 4.3 TB/s
+    m = _launch_model.LaunchModel(252.0, "hbm", 1, 132, 1, 32, 0, 10**9, 10**9, 10**9, None, 1.0, 0, 0, {}, None, None)
+    assert m.pct_of_peak_bw == pytest.approx(100 * 1e9 / 252e-6 / 4.8e12)
+    assert m.pct_of_achievable_bw == pytest.approx(100 * 1e9 / 252e-6 / 4.3e12) == m.pct_of_copy_bw
 
 
 def test_a_profiled_decode_declares_its_minimum():

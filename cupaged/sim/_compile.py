@@ -65,9 +65,22 @@ def bounds_checked() -> bool:
 
 
 # The profiler's build (cupaged.sim.profile()): every access calls the sim's __tsan_* entry points
-# (not function entries and exits: nothing uses them); -g1 adds only the line tables, which map an
-# instruction site to its source line (sim.profile's shared.by_line).
-PROFILE_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-g1", "-DCUPAGED_SIM_PROFILE=1")
+# (not function entries and exits: nothing uses them), every basic block __sanitizer_cov_trace_pc
+# (the blocks' warp-level executions weigh the cubin's: cupaged/sim/_instructions.py); -g1 adds only
+# the line tables, which map an instruction site or a block to its source line.
+PROFILE_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fsanitize-coverage=trace-pc",
+                 "-g1", "-DCUPAGED_SIM_PROFILE=1")
+
+
+_UNROLL = re.compile(r"^([ \t]*)#[ \t]*pragma[ \t]+unroll\b[ \t]*(\d*)[ \t]*$", re.M)
+
+
+def profile_source(code: str) -> str:
+    """The profiled build's source: each ``#pragma unroll`` that g++ can follow becomes GCC's, so the
+    host unrolls the loops ptxas unrolls (the issued-instruction count weighs the cubin's blocks with
+    the host's, cupaged/sim/_instructions.py). Counts that are expressions (``S::UNROLL``: GCC 12
+    takes only literals) stay as they are; lines keep their numbers."""
+    return _UNROLL.sub(lambda m: f"{m.group(1)}#pragma GCC unroll {m.group(2) or 65534}", code)
 
 
 def cxxflags(profile: bool = False) -> tuple[str, ...]:
@@ -191,6 +204,7 @@ def build(code: str, options, names, label: str | None = None, profile: bool = F
     except CudaNotFoundError as e:
         raise SimCompileError(str(e)) from None
     passed = [o for o in options if _PASS_OPTION.match(o)]
+    code = profile_source(code) if profile else code
     key = hashlib.sha256("\0".join(
         [_shim_text(), code, *passed, "|", *names, "|", identity, *cxxflags(profile), *cuda_inc]).encode()).hexdigest()[:32]
     d = cache_dir("sim")

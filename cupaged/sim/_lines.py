@@ -22,10 +22,10 @@ import subprocess
 from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
 from cupaged.sim._compile import INCLUDE_DIR
 
-__all__ = ["locations"]
+__all__ = ["locations", "own_locations"]
 
 _LINE_SITE = 1 << 63  # kLineSite in cupaged_sim_profile.h
-_RESOLVED: dict[str, dict[int, object]] = {}  # per object file: address -> location
+_RESOLVED: dict[str, dict[int, tuple]] = {}  # per object file: address -> (location, innermost frame is it)
 
 
 def _skipped() -> tuple[str, ...]:
@@ -61,8 +61,9 @@ def _key(path: str, line: int, so: str):
     return f"{path}:{line}"
 
 
-def _addr2line(so: str, addresses) -> dict[int, object]:
-    """Location of each file address, from ``addr2line -i``'s frames (innermost first)."""
+def _addr2line(so: str, addresses) -> dict[int, tuple]:
+    """(location, whether the innermost frame is that location) of each file address, from
+    ``addr2line -i``'s frames (innermost first)."""
     tool = shutil.which("addr2line")
     if tool is None:
         raise RuntimeError("sim.profile(): shared.by_line needs addr2line (binutils) on PATH")
@@ -80,20 +81,31 @@ def _addr2line(so: str, addresses) -> dict[int, object]:
     found, skipped = {}, _skipped()
     for address, chain in frames.items():
         kept = next((f for f in chain if not os.path.realpath(f[0]).startswith(skipped)), chain[0] if chain else None)
-        found[address] = _key(*kept, so) if kept else "??"
+        own = bool(chain) and kept is chain[0] and not os.path.realpath(kept[0]).startswith(skipped)
+        found[address] = (_key(*kept, so) if kept else "??", own)
     return found
+
+
+def _resolved(lib, code) -> dict[int, tuple]:
+    so, base = _object_of(lib)
+    known = _RESOLVED.setdefault(so, {})
+    missing = sorted({s - base - 1 for s in code} - known.keys())
+    if missing:
+        known.update(_addr2line(so, missing))
+    return {s: known[s - base - 1] for s in code}
 
 
 def locations(lib, sites) -> dict[int, object]:
     """Source location of each site of a launch of the module loaded as ``lib`` (see above)."""
     result = {s: s - _LINE_SITE for s in sites if s >= _LINE_SITE}
     code = [s for s in sites if s < _LINE_SITE]
-    if not code:
-        return result
-    so, base = _object_of(lib)
-    known = _RESOLVED.setdefault(so, {})
-    missing = sorted({s - base - 1 for s in code} - known.keys())
-    if missing:
-        known.update(_addr2line(so, missing))
-    result.update({s: known[s - base - 1] for s in code})
+    if code:
+        result.update({s: where for s, (where, _) in _resolved(lib, code).items()})
     return result
+
+
+def own_locations(lib, addresses) -> dict[int, object]:
+    """Source location of each code address whose innermost frame is the kernel's own code, or None:
+    a basic block inside the sim's emulation of an instruction or a CUDA header is not one of the
+    kernel's source blocks (its line is reached through the kernel's own block that called it)."""
+    return {a: where if own else None for a, (where, own) in _resolved(lib, list(addresses)).items()}

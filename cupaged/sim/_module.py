@@ -91,7 +91,7 @@ class RawModule:
         self._bounds = launch_bounds(text)
         self._lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
         self._kernels = {}
-        self._label, self._profiled, self._launchers = label, None, {}
+        self._label, self._profiled, self._launchers = label, {}, {}
 
     def _variant(self, index: int, profiled: bool):
         """(library, launch function, dynamic shared offset) of kernel ``index`` in the plain build
@@ -103,14 +103,15 @@ class RawModule:
 
     def _lookup(self, index: int, profiled: bool):
         if not profiled:
-            lib, offset = self._lib, self.tls_dyn_offset
-        else:
-            if self._profiled is None:
-                lib, _, offset = _compile.build(self.code, self.options, self._names, self._label, profile=True)
+            lib, offset, entry = self._lib, self.tls_dyn_offset, index
+        else:  # the profiler's build holds the one kernel: it unrolls loops as ptxas does (slow to compile)
+            if index not in self._profiled:
+                lib, _, offset = _compile.build(self.code, self.options, [self._names[index]],
+                                                f"{self._label or 'a CUDA source'}: {self._names[index]}", profile=True)
                 lib.cupaged_sim_error.restype = ctypes.POINTER(_ErrorInfo)
-                self._profiled = lib, offset
-            lib, offset = self._profiled
-        launch = getattr(lib, f"cupaged_sim_launch_{index}")
+                self._profiled[index] = lib, offset
+            (lib, offset), entry = self._profiled[index], 0
+        launch = getattr(lib, f"cupaged_sim_launch_{entry}")
         launch.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.POINTER(ctypes.c_void_p))
         return lib, launch, offset
 

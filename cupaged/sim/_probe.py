@@ -26,12 +26,17 @@ class _ProfSite(ctypes.Structure):  # ProfSite in cupaged_sim_profile.h
                 ("ideal_wavefronts", ctypes.c_ulonglong)]
 
 
+class _ProfBlock(ctypes.Structure):  # ProfBlock in cupaged_sim_profile.h
+    _fields_ = [("pc", ctypes.c_ulonglong), ("count", ctypes.c_ulonglong)]
+
+
 class _ProfLaunch(ctypes.Structure):  # ProfLaunch in cupaged_sim_profile.h
     _fields_ = [("nargs", ctypes.c_int), ("args", ctypes.POINTER(_ProfArg)), ("wavefronts", ctypes.c_ulonglong),
                 ("ideal_wavefronts", ctypes.c_ulonglong), ("cp_async_bytes", ctypes.c_ulonglong),
                 ("mma_flops", ctypes.c_ulonglong), ("max_inflight_bytes_per_cta", ctypes.c_ulonglong),
                 ("block_stride", ctypes.c_uint * 3), ("ctas_profiled", ctypes.c_ulonglong),
-                ("sites", ctypes.POINTER(_ProfSite)), ("site_capacity", ctypes.c_ulonglong)]
+                ("sites", ctypes.POINTER(_ProfSite)), ("site_capacity", ctypes.c_ulonglong),
+                ("blocks", ctypes.POINTER(_ProfBlock)), ("block_capacity", ctypes.c_ulonglong)]
 
 
 class LaunchStructs:
@@ -54,6 +59,11 @@ class LaunchStructs:
         """(site, wavefronts, ideal wavefronts) of every instruction site that accessed shared memory."""
         table = self.launch.sites[:self.launch.site_capacity] if self.launch.site_capacity else []
         return [(s.site, s.wavefronts, s.ideal_wavefronts) for s in table if s.site]
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """(code address, warp-level executions) of every basic block the launch's threads ran."""
+        table = self.launch.blocks[:self.launch.block_capacity] if self.launch.block_capacity else []
+        return [(b.pc, b.count) for b in table if b.pc]
 
 
 def _fields(name, dtype, value):

@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 
-from cupaged.sim import _lines
+from cupaged.sim import _host_blocks, _lines
 from cupaged.sim._probe import LaunchStructs, pointer_fields
 
 __all__ = ["profile", "Profile", "Launch", "ArgTraffic", "SharedTraffic", "declare", "declared"]
@@ -87,6 +87,36 @@ class Launch:
     declared: object = None  # the innermost declare() around the launch, e.g. the op's minimum traffic
     source: str = dataclasses.field(default="", repr=False, compare=False)  # the module's code
     options: tuple = dataclasses.field(default=(), repr=False, compare=False)  # and its compile options
+    # per source line (shared.by_line's keys): the most warp-level executions of a host block holding it
+    line_executions: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @functools.cached_property
+    def instructions(self):
+        """The warp-level SASS instructions this launch issues on sm_90 over its profiled CTAs
+        (cupaged/sim/_instructions.py)."""
+        from cupaged.sim import _instructions
+
+        return _instructions.launch_instructions(self)
+
+    @property
+    def warp_instructions(self) -> int | None:
+        """Warp-level SASS instructions issued on sm_90 by the profiled CTAs (None: see instructions_note)."""
+        return self.instructions.warp_instructions
+
+    @property
+    def instruction_mix(self) -> dict | None:
+        """warp_instructions by kind: total, mma, fp32, mufu, memory, int_control."""
+        return self.instructions.instruction_mix
+
+    @property
+    def instructions_by_line(self) -> dict:
+        """Per source line (shared.by_line's keys): the warp instructions attributed to it."""
+        return self.instructions.instructions_by_line
+
+    @property
+    def instructions_note(self) -> str:
+        """Why warp_instructions is None, or ""."""
+        return self.instructions.note
 
     @functools.cached_property
     def model(self):
@@ -159,11 +189,13 @@ class LaunchProbe:
         self.names = [name for name, _, _ in ranges]
         self.sizes = [hi - lo for _, lo, hi in ranges]
         self.structs = LaunchStructs([(lo, hi) for _, lo, hi in ranges], _ACTIVE[-1].block_stride)
-        self.sites = []
+        self.sites, self.blocks = [], []
 
     def take_sites(self) -> None:
-        """Copies the engine's per-site shared-memory counts (call before the next launch)."""
+        """Copies the engine's per-site shared-memory counts and per-block executions (call before the
+        next launch)."""
         self.sites = self.structs.sites()
+        self.blocks = self.structs.blocks()
 
     def record(self, lib, grid, block, shared_mem) -> None:
         args = {}
@@ -177,11 +209,16 @@ class LaunchProbe:
         for site, wavefronts, ideal in self.sites:
             old = by_line.get(where[site], SharedTraffic(0, 0))
             by_line[where[site]] = SharedTraffic(old.wavefronts + wavefronts, old.ideal_wavefronts + ideal)
+        lines = _host_blocks.block_lines(lib, [pc for pc, _ in self.blocks])
+        executions = {}
+        for pc, count in self.blocks:
+            for line in lines[pc]:
+                executions[line] = max(executions.get(line, 0), count)
         s = self.structs.launch
         module = self.kernel.module
         launch = Launch(self.kernel.name, tuple(grid), tuple(block), int(shared_mem), args,
                         SharedTraffic(s.wavefronts, s.ideal_wavefronts, by_line), s.cp_async_bytes, s.mma_flops,
                         s.max_inflight_bytes_per_cta, int(np.prod(grid)), s.ctas_profiled, self.declared,
-                        module.code, module.options)
+                        module.code, module.options, executions)
         for prof in _ACTIVE:
             prof.launches.append(launch)

@@ -1,26 +1,42 @@
-"""A fixed, documented model of H200 time for a profiled sim launch: a proxy, never a benchmark.
+"""A fixed, documented model of H200 time for a profiled sim launch (model v2): a proxy, never a benchmark.
 
 The constants below are the H200's published figures and a few measured ones; only a calibration
 on a GPU may change them (never to flatter a kernel). A launch's modeled time is
 
     launch overhead + sum over the grid's waves of the largest of these terms for that wave:
-      unique bytes / HBM bandwidth                       (DRAM-compulsory traffic)
-      bytes / min(HBM, Little's law)                     (in-flight bytes per SM x active SMs / latency)
-      shared-memory wavefronts per SM / clock            (1 wavefront per clock per SM)
-      mma.sync FLOPs per SM / (mma peak / SMs)
-      CUDA-core FLOPs per SM / (fp32 peak / SMs)         (the op's declared FLOPs - mma FLOPs)
+      hbm      unique bytes / achievable bandwidth            (DRAM-compulsory traffic, device-wide)
+      latency  bytes / min(achievable, Little's law)          (bytes in flight by the wave's CTAs / latency)
+      shared   shared-memory wavefronts per SM / clock        (1 wavefront per clock per SM)
+      mma      mma.sync FLOPs per SM / (mma peak / SMs)
+      issue    warp instructions per SM / (4 x clock)         (4 schedulers, 1 warp instruction per clock each)
+      mufu     MUFU warp instructions per SM x 2 / clock      (32 lanes at 16 per clock per SM on sm_90)
 
-A wave is as many CTAs as fit on the device at once (SMs x CTAs per SM, the occupancy from the
-compile gate's registers and shared memory and the block's threads); the last wave may be partial
-(its CTAs spread over min(SMs, CTAs) SMs). Per-CTA figures are the profiled launch's totals over the
-CTAs it ran, so a launch profiled on a sample of its CTAs models the whole grid.
+"Per SM" is the load of the busiest SM of the wave. A wave is as many CTAs as fit on the device at
+once (SMs x CTAs per SM, the occupancy from the compile gate's registers and shared memory and the
+block's threads); the last wave may be partial: its ``n`` CTAs spread over min(SMs, n) SMs, so its
+busiest SM holds ceil(n / min(SMs, n)) CTAs and the per-SM terms (shared, mma, issue, mufu) are that
+SM's load. HBM is shared by the whole device: the hbm term is the wave's own bytes, so summed over
+the waves it is exactly the launch's unique bytes / achievable bandwidth, and a partial wave pays for
+its few CTAs through the latency term (Little's law over the CTAs it has in flight, never more).
+
+Why these terms: HBM is priced at what an H200 delivers (a measured device-to-device copy, 4.3 TB/s),
+not at its 4.8 TB/s spec, which no kernel reaches. Every warp instruction takes an issue slot, so a
+kernel that moves the right bytes can still be bound by the integer and control instructions around
+its loads; the FP32 pipes retire 4 warp instructions per clock per SM, as fast as the schedulers
+issue, so the issue term covers them (model v1's fp32 term of declared FLOPs is gone). MUFU (exp2,
+rcp, rsqrt, sin, cos, lg2) runs at 16 lanes per clock per SM, a quarter of the issue rate.
+
+Per-CTA figures are the profiled launch's totals over the CTAs it ran, so a launch profiled on a
+sample of its CTAs models the whole grid.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["GPU", "H200", "ARCH_LIMITS", "ctas_per_sm", "Terms", "wave_time_us", "launch_time_us"]
+__all__ = ["GPU", "H200", "TERM_NAMES", "ARCH_LIMITS", "ctas_per_sm", "Terms", "wave_time_us", "launch_time_us"]
+
+TERM_NAMES = ("hbm", "latency", "shared", "mma", "issue", "mufu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +44,12 @@ class GPU:
     """A GPU's figures for the model (rates per second, sizes in bytes)."""
 
     name: str
-    hbm_bytes_per_s: float            # spec bandwidth
-    copy_bytes_per_s: float           # a measured device-to-device copy (printed as a second % column)
+    hbm_bytes_per_s: float            # spec bandwidth (the % of peak column)
+    achievable_bytes_per_s: float     # a measured device-to-device copy: the hbm and latency terms' bandwidth
     sms: int
-    clock_hz: float                   # for the compute terms
-    fp32_flops_per_s: float           # FMA = 2 FLOP
+    clock_hz: float                   # for the per-SM terms
+    issue_per_sm_per_clock: int       # warp schedulers per SM, each issuing one warp instruction per clock
+    mufu_lanes_per_sm_per_clock: int  # MUFU results per clock per SM (a warp instruction is 32 lanes)
     mma_flops_per_s: float            # mma.sync f16/bf16 (2/3 of the wgmma peak)
     memory_latency_s: float
     launch_overhead_s: float
@@ -40,13 +57,13 @@ class GPU:
 
     @property
     def little_bytes_per_sm(self) -> float:
-        """Bytes one SM must keep in flight to saturate HBM: bandwidth x latency / SMs."""
-        return self.hbm_bytes_per_s * self.memory_latency_s / self.sms
+        """Bytes one SM must keep in flight to saturate HBM: achievable bandwidth x latency / SMs."""
+        return self.achievable_bytes_per_s * self.memory_latency_s / self.sms
 
 
-H200 = GPU(name="H200", hbm_bytes_per_s=4.8e12, copy_bytes_per_s=4.3e12, sms=132, clock_hz=1.83e9,
-           fp32_flops_per_s=2 * 128 * 132 * 1.83e9, mma_flops_per_s=660e12, memory_latency_s=0.8e-6,
-           launch_overhead_s=2e-6, arch="sm_90")
+H200 = GPU(name="H200", hbm_bytes_per_s=4.8e12, achievable_bytes_per_s=4.3e12, sms=132, clock_hz=1.83e9,
+           issue_per_sm_per_clock=4, mufu_lanes_per_sm_per_clock=16, mma_flops_per_s=660e12,
+           memory_latency_s=0.8e-6, launch_overhead_s=2e-6, arch="sm_90")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,21 +105,23 @@ class Terms:
     inflight_bytes: float     # bytes a CTA keeps in flight (max_inflight_bytes_per_cta)
     wavefronts: float         # shared-memory wavefronts
     mma_flops: float
-    cuda_core_flops: float
+    warp_instructions: float  # warp-level SASS instructions issued (0: not counted)
+    mufu_instructions: float  # of them on the MUFU pipe
 
 
 def wave_time_us(t: Terms, ctas: int, gpu: GPU = H200) -> dict:
-    """Each term's time in µs for one wave of ``ctas`` CTAs (spread evenly over the SMs)."""
+    """Each term's time in µs for one wave of ``ctas`` (> 0) CTAs, spread evenly over the SMs."""
     active = min(gpu.sms, ctas)
-    stacked = -(-ctas // active)  # CTAs on a busy SM
-    little = t.inflight_bytes * stacked * active / gpu.memory_latency_s
-    bw = min(gpu.hbm_bytes_per_s, little) if little > 0 else gpu.hbm_bytes_per_s
+    busiest = -(-ctas // active)  # CTAs on the busiest SM: the per-SM terms are its load
+    little = t.inflight_bytes * ctas / gpu.memory_latency_s
+    bw = min(gpu.achievable_bytes_per_s, little) if little > 0 else gpu.achievable_bytes_per_s
     return {
-        "hbm": ctas * t.unique_bytes / gpu.hbm_bytes_per_s * 1e6,
+        "hbm": ctas * t.unique_bytes / gpu.achievable_bytes_per_s * 1e6,
         "latency": ctas * t.bytes / bw * 1e6,
-        "shared": stacked * t.wavefronts / gpu.clock_hz * 1e6,
-        "mma": stacked * t.mma_flops / (gpu.mma_flops_per_s / gpu.sms) * 1e6,
-        "fp32": stacked * t.cuda_core_flops / (gpu.fp32_flops_per_s / gpu.sms) * 1e6,
+        "shared": busiest * t.wavefronts / gpu.clock_hz * 1e6,
+        "mma": busiest * t.mma_flops / (gpu.mma_flops_per_s / gpu.sms) * 1e6,
+        "issue": busiest * t.warp_instructions / (gpu.issue_per_sm_per_clock * gpu.clock_hz) * 1e6,
+        "mufu": busiest * t.mufu_instructions * 32 / gpu.mufu_lanes_per_sm_per_clock / gpu.clock_hz * 1e6,
     }
 
 
@@ -112,7 +131,7 @@ def launch_time_us(t: Terms, ctas: int, per_sm: int, gpu: GPU = H200) -> tuple[f
     per_wave = gpu.sms * max(per_sm, 1)
     full, tail = divmod(ctas, per_wave)
     total, bound = gpu.launch_overhead_s * 1e6, "launch"
-    summed = dict.fromkeys(("hbm", "latency", "shared", "mma", "fp32"), 0.0)
+    summed = dict.fromkeys(TERM_NAMES, 0.0)
     for n, count in ((per_wave, full), (tail, 1 if tail else 0)):
         if not count:
             continue

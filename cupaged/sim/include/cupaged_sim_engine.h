@@ -32,7 +32,7 @@ namespace cupaged_sim {
 
 // The engine's own code is trusted and not instrumented: its stores (the scheduler's state: most of
 // the store checks a launch made before) are not a kernel's. The checks are for the kernel's code.
-#define CUPAGED_SIM_TRUSTED __attribute__((no_sanitize_address))
+#define CUPAGED_SIM_TRUSTED __attribute__((no_sanitize_address, no_sanitize_coverage))
 
 enum ErrorCode { OK = 0, E_MEMORY = 1, E_SYNC = 2, E_TRAP = 3, E_TIMEOUT = 4, E_CONFIG = 5, E_OTHER = 6 };
 

@@ -3,7 +3,9 @@
 // A profiled launch runs a second build of the module, compiled with -fsanitize=thread and
 // -DCUPAGED_SIM_PROFILE: every load and store calls __tsan_{read,write}N(address) first, whose
 // return address identifies the instruction site. No TSan runtime is linked: these entry points
-// are the profiler's. Each access of a CUDA thread to a pointer argument's memory or to shared
+// are the profiler's. The build also has -fsanitize-coverage=trace-pc: every basic block of the
+// kernel's code calls __sanitizer_cov_trace_pc, counted per warp (the SASS instruction count,
+// cupaged/sim/_instructions.py, weighs the cubin's basic blocks with these counts). Each access of a CUDA thread to a pointer argument's memory or to shared
 // memory joins a warp-level instruction (one executed occurrence of one site by the lanes of a
 // warp: the lanes' occurrence counts of that site since their last scheduling point); at the end
 // of the block each instruction's lanes give its 32-byte sectors or its shared-memory wavefronts.
@@ -22,6 +24,10 @@ struct ProfSite {  // mirrored by ctypes in cupaged/sim/_probe.py
   const void* site;  // a return address in the code, or 2^63 + line (emulated PTX); null: an empty slot
   unsigned long long wavefronts, ideal_wavefronts;
 };
+struct ProfBlock {  // mirrored by ctypes in cupaged/sim/_probe.py
+  const void* pc;  // a basic block of the kernel's code (the return address of its coverage hook); null: empty
+  unsigned long long count;  // its warp-level executions (see __sanitizer_cov_trace_pc)
+};
 struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/_probe.py
   int nargs;
   ProfArg* args;
@@ -30,6 +36,8 @@ struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/_probe.py
   unsigned long long ctas_profiled;
   const ProfSite* sites;     // shared memory per instruction site: a hash table of site_capacity slots,
   unsigned long long site_capacity;  // the engine's until the next launch
+  const ProfBlock* blocks;   // basic blocks executed: a hash table of block_capacity slots, the
+  unsigned long long block_capacity;  // engine's until the next launch
 };
 
 static ProfLaunch* g_prof;  // the profiled launch, or null
@@ -39,7 +47,7 @@ static ProfLaunch* g_prof;  // the profiled launch, or null
 // The profiler's own code is neither instrumented nor alignment-checked, and calls nothing that is:
 // GCC does not inline an instrumented function into one that is not, so a std::vector or std::max
 // here is a real call whose own accesses re-enter the hooks (that was most of a profiled launch).
-#define PROF_FN __attribute__((no_sanitize_thread, no_sanitize("alignment")))
+#define PROF_FN __attribute__((no_sanitize_thread, no_sanitize("alignment"), no_sanitize_coverage))
 
 template <class T>
 struct ProfVec {  // a growable array of trivially copyable T
@@ -123,6 +131,86 @@ static ProfVec<ProfRange> g_ranges;  // the arguments' non-empty ranges, sorted 
 static bool g_ranges_disjoint = true;
 static unsigned long long g_args_lo, g_args_span;  // the hull of the ranges: a quick test for the stack
 
+// Basic blocks. A warp executes a block once for all its active lanes: between two scheduling
+// points (an epoch) its executions of a block are the most any of its lanes made, as a memory
+// instruction above; a block's count for the launch is that summed over the warps and epochs.
+struct ProfBlockEpoch {  // per warp: the most executions of a block by one lane in one epoch
+  const void* pc;  // null: an empty slot
+  unsigned epoch, most;
+};
+struct ProfWarpBlocks {
+  ProfBlockEpoch* slots;
+  size_t mask, used;
+};
+static ProfWarpBlocks g_wb[kMaxThreads / 32];
+static ProfBlock* g_blocks;  // the launch's blocks
+static size_t g_block_mask, g_block_used;
+
+PROF_FN static void prof_blocks_grow() {
+  ProfBlock* old = g_blocks;
+  size_t old_mask = g_block_mask;
+  g_block_mask = old ? 2 * old_mask + 1 : 1023;
+  g_blocks = static_cast<ProfBlock*>(calloc(g_block_mask + 1, sizeof(ProfBlock)));
+  for (size_t i = 0; old && i <= old_mask; ++i) {
+    if (!old[i].pc) continue;
+    size_t h = prof_hash(reinterpret_cast<uintptr_t>(old[i].pc)) & g_block_mask;
+    while (g_blocks[h].pc) h = (h + 1) & g_block_mask;
+    g_blocks[h] = old[i];
+  }
+  free(old);
+  g_prof->blocks = g_blocks;
+  g_prof->block_capacity = g_block_mask + 1;
+}
+
+PROF_FN static void prof_block_count(const void* pc) {
+  if (2 * (g_block_used + 1) > g_block_mask + 1) prof_blocks_grow();
+  size_t h = prof_hash(reinterpret_cast<uintptr_t>(pc)) & g_block_mask;
+  while (g_blocks[h].pc && g_blocks[h].pc != pc) h = (h + 1) & g_block_mask;
+  if (!g_blocks[h].pc) {
+    g_blocks[h].pc = pc;
+    ++g_block_used;
+  }
+  ++g_blocks[h].count;
+}
+
+PROF_FN static inline size_t prof_epoch_hash(const void* pc, unsigned epoch) {
+  return prof_hash(reinterpret_cast<uintptr_t>(pc) ^ prof_hash(epoch + 1ull));
+}
+PROF_FN static void prof_warp_blocks_grow(ProfWarpBlocks& w) {
+  ProfBlockEpoch* old = w.slots;
+  size_t old_mask = w.mask;
+  w.mask = old ? 2 * old_mask + 1 : 1023;
+  w.slots = static_cast<ProfBlockEpoch*>(calloc(w.mask + 1, sizeof(ProfBlockEpoch)));
+  for (size_t i = 0; old && i <= old_mask; ++i) {
+    if (!old[i].pc) continue;
+    size_t h = prof_epoch_hash(old[i].pc, old[i].epoch) & w.mask;
+    while (w.slots[h].pc) h = (h + 1) & w.mask;
+    w.slots[h] = old[i];
+  }
+  free(old);
+}
+
+// A lane's `occ`-th execution (1-based) of the block at pc in its epoch: a new warp-level execution
+// when no other lane of its warp has made that many there.
+PROF_FN static void prof_block_exec(ProfWarpBlocks& w, const void* pc, unsigned epoch, unsigned occ) {
+  if (2 * (w.used + 1) > w.mask + 1) prof_warp_blocks_grow(w);
+  size_t h = prof_epoch_hash(pc, epoch) & w.mask;
+  for (;; h = (h + 1) & w.mask) {
+    ProfBlockEpoch& e = w.slots[h];
+    if (!e.pc) {
+      e = ProfBlockEpoch{pc, epoch, 0};
+      ++w.used;
+    } else if (e.pc != pc || e.epoch != epoch) {
+      continue;
+    }
+    if (occ > e.most) {
+      e.most = occ;
+      prof_block_count(pc);
+    }
+    return;
+  }
+}
+
 PROF_FN static void prof_launch_start() {
   if (!g_prof) return;
   g_ranges.size = 0;
@@ -148,6 +236,11 @@ PROF_FN static void prof_launch_start() {
   g_site_used = 0;
   g_prof->sites = g_sites;
   g_prof->site_capacity = g_site_mask + 1;
+  if (!g_blocks) prof_blocks_grow();
+  memset(g_blocks, 0, (g_block_mask + 1) * sizeof(ProfBlock));
+  g_block_used = 0;
+  g_prof->blocks = g_blocks;
+  g_prof->block_capacity = g_block_mask + 1;
 }
 
 // The first argument (in parameter order) whose memory holds [a, a + n), or -2. Reads only the
@@ -444,6 +537,11 @@ PROF_FN static void prof_block_end() {
 
 PROF_FN static void prof_block_start(int nthreads) {
   ++g_prof->ctas_profiled;
+  for (int i = 0; i < (nthreads + 31) / 32; ++i) {
+    ProfWarpBlocks& w = g_wb[i];
+    if (w.used) memset(w.slots, 0, (w.mask + 1) * sizeof(ProfBlockEpoch));
+    w.used = 0;
+  }
   for (int i = 0; i < nthreads; ++i) {
     ProfThread& t = g_pt[i];
     t.epoch = t.occ_used = 0;
@@ -500,6 +598,15 @@ CUPAGED_SIM_TSAN(4)
 CUPAGED_SIM_TSAN(8)
 CUPAGED_SIM_TSAN(16)
 #undef CUPAGED_SIM_TSAN
+// -fsanitize-coverage=trace-pc: called at the start of every basic block of the instrumented code
+// (the engine's and the profiler's own are not); blocks run by a CUDA thread are counted.
+extern "C" __attribute__((visibility("hidden"), noinline)) PROF_FN void __sanitizer_cov_trace_pc() {
+  SimThread* t = g.cur;
+  if (!t || !g_prof) return;
+  const void* pc = __builtin_return_address(0);
+  ProfThread& pt = g_pt[t->linear];
+  prof_block_exec(g_wb[t->warp], pc, pt.epoch, prof_occurrence(pt, pc) + 1);
+}
 extern "C" __attribute__((visibility("hidden"), noinline)) PROF_FN void __tsan_read_range(void* a, size_t n) {
   prof_record(reinterpret_cast<uintptr_t>(a), unsigned(n), false, __builtin_return_address(0));
 }
