@@ -3,9 +3,12 @@ and the H200 model v2 (cupaged/sim/model.py), a proxy and never a benchmark.
 
 Projection: the shape's real plan (split size and grid, forced explicitly) is run on a subset of
 its sequences, and of those only a sample of CTAs (``block_stride``) is profiled; per-CTA figures
-are scaled to the production grid (``batch_factor`` times the profiled grid's CTAs). Valid when
-every CTA of the batch does the same work (uniform sequence lengths); invalid for ragged batches,
-and it over-counts distinct bytes that CTAs not profiled would share in L2.
+are scaled to the production grid (``batch_factor`` times the profiled grid's CTAs). The sample
+represents the grid (the benches' ``block_stride``): one KV head (every head does the same work),
+every sequence of the subset (one length), every split, and a causal prefill's row tiles by a
+stride symmetric about the middle (exact when a tile's work grows linearly with its index;
+tests/test_projection.py holds it to the fully profiled model within 3%). Invalid for ragged batches;
+it over-counts distinct bytes that CTAs not profiled would share in L2.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import _model  # noqa: E402
 
 import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
+from cupaged._attention_kernels import prefill_shape  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
 from cupaged.paged_attention import workspace_bytes  # noqa: E402
 
@@ -83,28 +84,54 @@ def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, he
     return run
 
 
-def production_split(s: dict) -> int:
-    """The kv_split_size the plan gives the full batch of shape ``s`` (shape-only stand-ins: the plan reads
-    no contents), or the context when it does not split."""
+def production_plan(s: dict):
+    """The AttentionPlan the full batch of shape ``s`` gets (shape-only stand-ins: the plan reads no contents)."""
     dtype, kv_cache_dtype = DTYPES[s["kv_dtype"]]
     q = np.empty((s["batch"] * s["q_len"], s["num_heads"], s["head_size"]), dtype)
     cache = np.empty((1, BLOCK, s["num_kv_heads"], s["head_size"]), np.uint8 if kv_cache_dtype != "auto" else dtype)
     kv = cupaged.KvView.paged(cache, cache, q, kv_cache_dtype)
     qsl = None if s["q_len"] == 1 else np.empty(s["batch"] + 1, np.int32)
-    plan = cupaged.plan_attention(q, kv, np.empty((s["batch"], -(-s["context"] // BLOCK)), np.int32),
+    return cupaged.plan_attention(q, kv, np.empty((s["batch"], -(-s["context"] // BLOCK)), np.int32),
                                   np.empty(s["batch"], np.int32), qsl, max_query_len=s["q_len"],
                                   max_seq_len=s["context"])
-    return plan.kv_split_size or s["context"]
 
 
-def project(s: dict, subset: int, block_stride) -> dict:
-    """Model row of shape ``s``: its plan (the split the full batch gets) run on ``subset`` sequences."""
+def production_split(s: dict) -> int:
+    """The kv_split_size the plan gives the full batch of shape ``s``, or the context when it does not split."""
+    return production_plan(s).kv_split_size or s["context"]
+
+
+def symmetric_stride(n: int, samples: int = 4) -> int:
+    """The largest stride ``t`` whose sample 0, t, 2t, ... of ``n`` CTAs ends on the last ((n - 1) % t == 0) and
+    takes at least ``samples`` (1: all ``n``). The sample is evenly spread and symmetric about the middle, so its mean
+    of any work affine in the index, or alike over each pair it, n - 1 - it, is the grid's exactly: a causal prefill's
+    row tile r of 32 tokens loads and multiplies r + 1 key tiles of 32 (of 16 tokens: r // 2 + 1, alike over pairs
+    when n is even), plus the same fixed work each. A stride that stops short of the end instead takes the first CTA
+    of every stratum, the heaviest row tile (the kernel runs them heaviest first): model v1's stride of 16 over 64
+    tiles averaged 40 key tiles against a true 32.5."""
+    return max((t for t in range(1, n) if (n - 1) % t == 0 and (n - 1) // t + 1 >= samples), default=1)
+
+
+def block_stride(s: dict) -> tuple:
+    """The CTAs a projection of shape ``s`` profiles (grid: x row tile + tiles x split, y kv heads, z sequences):
+    one kv head (each does the same work), every sequence of the subset (one length: the same work), and every CTA
+    along x (a decode's splits differ: a short last one, where their keys fall in the blocks), but for the row tiles
+    of a prefill that does not split and fills every tile: a symmetric sample of them (:func:`symmetric_stride`)."""
+    plan = production_plan(s)
+    rows = s["q_len"] * (s["num_heads"] // s["num_kv_heads"])
+    full = plan.max_splits == 1 and rows == plan.tiles * prefill_shape(s["head_size"], s["head_size"])[0]
+    return symmetric_stride(plan.tiles) if plan.kernel and full else 1, s["num_kv_heads"], 1
+
+
+def project(s: dict, subset: int, stride=None) -> dict:
+    """Model row of shape ``s``: its plan (the split the full batch gets) run on ``subset`` sequences, the CTAs of
+    ``stride`` profiled (default :func:`block_stride`, unbiased)."""
     gqa = s["num_heads"] // s["num_kv_heads"]
     split = production_split(s)
     splits = split < s["context"]
     run = setup("sim", subset, s["context"], s["q_len"], gqa, s["kv_dtype"], s["num_kv_heads"], s["head_size"],
                 kv_split_size=split, workspace=splits)
-    return _model.project(s, run, cost(s), s["batch"] // subset, block_stride, warm=splits)
+    return _model.project(s, run, cost(s), s["batch"] // subset, stride or block_stride(s), warm=splits)
 
 
 MIXED = dict(chunks=4, chunk=512, decodes=256, context=2048, heads=32, kv_heads=8, kv_dtype="bf16")
@@ -166,16 +193,16 @@ def model_rows(sweep: bool) -> list:
 
 
 def model_shapes(sweep: bool):
-    """(shape, profiled sequences, block stride): a sample of one CTA per (sequence, split) at most."""
+    """(shape, profiled sequences): of those, the CTAs :func:`block_stride` picks."""
     for heads, kv in itertools.product((32, 64), ("fp16", "bf16", "fp8_e4m3")):
-        yield shape("decode", 64, 4096, 1, heads, 8, HEAD, kv), 2, (1, 8, 1)
-    yield shape("decode", 1, 32768, 1, 32, 8, HEAD, "fp16"), 1, (4, 8, 1)
-    yield shape("prefill", 8, 2048, 2048, 32, 8, HEAD, "bf16"), 1, (16, 8, 1)
+        yield shape("decode", 64, 4096, 1, heads, 8, HEAD, kv), 2
+    yield shape("decode", 1, 32768, 1, 32, 8, HEAD, "fp16"), 1  # all 99 splits of a kv head: +5 s on 2 cores
+    yield shape("prefill", 8, 2048, 2048, 32, 8, HEAD, "bf16"), 1
     if sweep:
         for ctx, heads, kv in itertools.product((512, 1024, 2048, 8192, 16384), (32, 64), ("fp16", "fp8_e4m3")):
-            yield shape("decode", 64, ctx, 1, heads, 8, HEAD, kv), 1, (1, 8, 1)
-        for length in (512, 1024):
-            yield shape("prefill", 8, length, length, 32, 8, HEAD, "bf16"), 1, (length // 128, 8, 1)
+            yield shape("decode", 64, ctx, 1, heads, 8, HEAD, kv), 1
+        for length in (512, 1024):  # 1024: 32 row tiles, 31 prime: all 32 (+11 s)
+            yield shape("prefill", 8, length, length, 32, 8, HEAD, "bf16"), 1
 
 
 def gpu_configs(quick):

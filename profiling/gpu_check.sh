@@ -219,7 +219,10 @@ find_tool() {  # on PATH, else in the usual CUDA / Nsight install places
 # ---- ncu: one decode launch ---------------------------------------------------------------------
 if ! selected ncu; then record ncu "skipped (--only)" - ""
 elif NCU=$(find_tool ncu) && [ -n "$NCU" ]; then
-    run ncu 90 "$NCU" --nvtx --launch-count 1 -k regex:paged_decode "$PY" profiling/gpu_check_kernels.py decode
+    # SpeedOfLight for the duration; smsp__inst_executed.sum: warp instructions executed, beside the
+    # sim's warp_instructions for the same launch (profiling/README.md, "Issued instructions")
+    run ncu 90 "$NCU" --nvtx --launch-count 1 -k regex:paged_decode --section SpeedOfLight \
+        --metrics smsp__inst_executed.sum "$PY" profiling/gpu_check_kernels.py decode
     err=$(grep -m1 -E 'ERR_NVGPUCTRPERM|==ERROR==' "$OUT/ncu.log" | cut -c1-120)
     if [ $TIMED_OUT -eq 1 ]; then record ncu FAILED "$RC" "timed out: $(last_line "$OUT/ncu.log")"
     elif grep -q 'ERR_NVGPUCTRPERM' "$OUT/ncu.log"; then record ncu "skipped (ncu unusable)" "$RC" "$err"
@@ -227,7 +230,7 @@ elif NCU=$(find_tool ncu) && [ -n "$NCU" ]; then
     elif [ $RC -ne 0 ] && [ -n "$err" ]; then record ncu "skipped (ncu unusable)" "$RC" "$err"
     elif [ $RC -ne 0 ]; then record ncu FAILED "$RC" "$(last_line "$OUT/ncu.log")"
     elif grep -q 'No kernels were profiled' "$OUT/ncu.log"; then record ncu FAILED 0 "no paged_decode launch profiled"
-    else record ncu passed 0 "paged_decode: $(grep -m1 -E '^\s+Duration' "$OUT/ncu.log" | tr -s ' ' | sed 's/^ //')"; fi
+    else record ncu passed 0 "paged_decode: $(grep -m1 -E '^\s+Duration' "$OUT/ncu.log" | tr -s ' ' | sed 's/^ //'); $(grep -m1 -E 'smsp__inst_executed.sum' "$OUT/ncu.log" | tr -s ' ' | sed 's/^ //')"; fi
 else
     record ncu "skipped (ncu not found)" - ""
 fi

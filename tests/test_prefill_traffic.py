@@ -1,7 +1,8 @@
 """paged_prefill_kernel's counts from the sim's profiler (cupaged.sim.profile), the bounds issue 17 sets: key_cache
 bytes requested <= 1.1 x the sum over 64-row query tiles of (keys up to the tile's last row, rounded up to 128) x
 the K row bytes, i.e. each K tile read once per query tile of >= 64 rows; tensor-core FLOPs >= 95% of the op's
-declared FLOPs; shared-memory bank conflicts <= 5% of the wavefronts. Counts, not times: the same on every
+declared FLOPs, and the SASS HMMA instructions counted (model v2) x 4096 equal to them; shared-memory bank
+conflicts <= 5% of the wavefronts. Counts, not times: the same on every
 machine."""
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _key_bound(seq_lens, q_lens, group, num_kv_heads, row_bytes, causal=True) ->
 def _check_counts(launch):
     cost = launch.declared
     assert launch.mma_flops >= 0.95 * cost.flops, (launch.mma_flops, cost.flops)
+    if launch.instruction_mix is not None:  # model v2's cross-check: each SASS HMMA.16816 is 2*16*8*16 FLOPs
+        assert launch.instruction_mix["mma"] * 4096 == launch.mma_flops, (launch.instruction_mix, launch.mma_flops)
     assert launch.shared.bank_conflicts <= 0.05 * launch.shared.wavefronts
 
 

@@ -113,3 +113,24 @@ def test_sim_catches_a_stage_overwritten_while_read(monkeypatch, order):
     got = run_gemm(Backend("sim"), a, b, (*OPTIONS, "-DGEMM_SKIP_WAR_BARRIER"))
     with pytest.raises(AssertionError, match="out of tolerance"):
         assert_close(got, ref, (fp32_accumulation_atol(a, b), 0.0))
+
+
+def test_counted_hmma_matches_the_emulated_flops():
+    """Model v2's mma term cross-checked: the SASS HMMA instructions the profiled launch issues
+    (instruction_mix["mma"], counted from the cubin's blocks) x 4096 FLOPs each (m16n8k16: 2 * 16 * 8 *
+    16) are the FLOPs the sim's mma.sync emulation counted; 2 * M * N * K in all."""
+    pytest.importorskip("scipy")
+    from cupaged import sim
+    from cupaged.sim._sass import nvdisasm
+
+    if nvdisasm() is None:
+        pytest.skip("nvdisasm (the profiling extra) is not installed")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((128, 64)).astype(np.float16)
+    b = rng.standard_normal((64, 128)).astype(np.float16)
+    with sim.profile() as prof:
+        c = run_gemm(Backend("sim"), a, b)
+    assert_close(c, a.astype(np.float64) @ b.astype(np.float64), (fp32_accumulation_atol(a, b), 0.0))
+    (launch,) = prof.launches
+    assert launch.mma_flops == 2 * 128 * 128 * 64
+    assert launch.instruction_mix["mma"] * 4096 == launch.mma_flops

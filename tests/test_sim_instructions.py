@@ -188,7 +188,7 @@ def test_straight_line_code(sass):
     agrees(rec, by_line, mix)
 
 
-@pytest.mark.parametrize("trips", [7, 50])
+@pytest.mark.parametrize("trips", [0, 1, 7, 50])
 def test_loop_with_a_run_time_trip_count(sass, trips):
     code = sass["rolled"]
     # ptxas: a prologue that tests trips > 0 and branches past the loop (`@!P0 BRA` to the store) when

@@ -10,10 +10,12 @@ warp's path through the control-flow graph, SIMT):
   cannot exit in takes at least one edge (a warp that diverges takes both);
 - a warp leaves a loop (a natural loop of the graph) no more often than it enters it, however
   its lanes' trip counts differ, and a loop never entered does not run.
-Soft rules, each miss costing the block's instructions of the line per copy: the copies of a line in its principal block
-(the block of its instances most deeply inside loops, then the one holding most of its instructions)
-run at least as often as the line ran (``N``: the most of the host blocks holding it), and no block's
-copies of a line run more often. A tie goes to fewer instructions.
+Soft rules, each miss costing the block's instructions of the line per copy: a line's principal block
+(its instance most deeply inside loops, then the one holding most of its instructions) runs its
+copies at least as often as the host block that looks like it ran (``_principal_count``), and no
+block runs its copies of a line more often than the line ran (``N``: the most of the host blocks
+holding it). Ties go to fewer instructions, and a loop's iteration costs more than any block entered
+once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import collections
 
 __all__ = ["fit"]
 
-_EPSILON = 1e-4  # the tie-break's weight per instruction, against 1 per instruction of misfit
+_EPSILON = 1e-5  # the tie-break's weight per instruction, against at least 1 per unit of misfit
 
 
 class _Rows:
@@ -83,8 +85,8 @@ def _dominators(n: int, succs, preds) -> list[int]:
     return idom
 
 
-def _loops(n: int, succs, preds) -> list[set]:
-    """The bodies of the graph's natural loops, one per header."""
+def _loops(n: int, succs, preds) -> dict[int, set]:
+    """header -> the body (header included) of the graph's natural loop of that header."""
     idom = _dominators(n, succs, preds)
 
     def dominates(a, b):
@@ -103,12 +105,21 @@ def _loops(n: int, succs, preds) -> list[set]:
                     if v not in body:
                         body.add(v)
                         stack += preds[v]
-    return list(bodies.values())
+    return dict(bodies)
 
 
-def fit(blocks, running, copies: dict, line_executions: dict, warps: int):
-    """(executions per warp of each running block, misfit, the weighed line counts) or None (no
-    solution: the message instead)."""
+def _principal_count(line, block_lines: set, sass_lines: set, host_blocks, fallback) -> float:
+    """The most executions of a host block holding ``line`` that looks like the SASS block (more than
+    half of its lines that the SASS has at all are the block's: the guard before a loop holds a piece of the loop's
+    condition, but it is not the loop's body); ``fallback`` when none does."""
+    found = [count for lines, count in host_blocks if line in lines
+             and 2 * len(lines & block_lines) > len(lines & sass_lines)]
+    return max(found) if found else fallback
+
+
+def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_blocks=()):
+    """(executions per warp of each running block, (misfit, the weighed line counts)) or (None, the
+    solver's message)."""
     import numpy as np
     from scipy.optimize import linprog
 
@@ -143,20 +154,26 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int):
             ub.add([(u, 1.0)] + [(edge[u, s], -1.0) for s in succs[u]], 0.0)
     depth = [0] * n
     most = 4 * max(line_executions.values(), default=0) / warps + 1  # iterations per entry, at most
-    for body in _loops(n, succs, preds):
+    loops = _loops(n, succs, preds)
+    for header, body in loops.items():
         for v in body:
             depth[v] += 1
         leave = [(edge[u, s], 1.0) for u in body for s in succs[u] if s not in body]
-        enter = [(edge[p, h], -1.0) for h in body for p in preds[h] if p not in body]
+        enter = [(edge[p, header], -1.0) for p in preds[header] if p not in body]
         if leave and enter:
             ub.add(leave + enter, 0.0)
         for v in body:  # a loop not entered does not run (no circulation without an entry)
             ub.add([(v, 1.0)] + [(col, most * val) for col, val in enter], 0.0)
+        for p in preds[header]:  # an iteration costs more than any block entered once: a loop
+            if p in body:  # entered once per warp is not fitted as a fraction of an entry going round
+                cost[edge[p, header]] = _EPSILON * sum(len(blocks[k].opcodes) for k in running)
+    sass_lines = {line for k in running for line in blocks[k].lines if line is not None}
     for j, line in enumerate(observed):
-        # its principal block (the most deeply looped, then the most of its instructions: a loop's
-        # condition has a piece in the guard before the loop too) runs its copies at least as often
+        # its principal block (the most deeply looped, then the most of its instructions) runs its
+        # copies at least as often as the host block that looks like it ran
         k = max(copies[line], key=lambda k: (depth[var[k]], blocks[k].lines.count(line), -k))
-        ub.add([(var[k], -float(copies[line][k])), (short0 + j, -1.0)], -line_executions[line] / warps)
+        count = _principal_count(line, set(blocks[k].lines), sass_lines, host_blocks, line_executions[line])
+        ub.add([(var[k], -float(copies[line][k])), (short0 + j, -1.0)], -count / warps)
         cost[short0 + j] = blocks[k].lines.count(line) / copies[line][k]
     for j, (line, v, c) in enumerate(pairs):
         ub.add([(v, float(c)), (excess0 + j, -1.0)], line_executions[line] / warps)

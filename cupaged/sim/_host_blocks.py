@@ -6,7 +6,8 @@ object's ``.text`` (found by scanning the code for direct calls to the hook, fro
 table's address of it), and its lines are the line-table locations of addresses sampled through that
 range, within its function (``addr2line -i``, kept as in ``_lines.py``: an inlined sim or CUDA helper belongs to the line
 that called it). A block whose own first location is inside such a helper (a loop of an emulated
-instruction) is the helper's, not the kernel's: it has no lines.
+instruction) is the helper's, not the kernel's: it is left out. Blocks that did not run are listed
+too, with 0 executions (a loop that did not run is seen as such).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from cupaged.sim import _lines
 
-__all__ = ["block_lines"]
+__all__ = ["host_blocks"]
 
 _SAMPLE = 2          # bytes between sampled addresses (x86-64 instructions are 1-15 bytes, most 3-7)
 _MAX_SAMPLES = 512   # per block
@@ -77,24 +78,24 @@ def _code(so: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.sort(returns[returns + rel == hook]), starts, ends
 
 
-def block_lines(lib, pcs) -> dict:
-    """pc (a run-time return address of the hook) -> frozenset of the source lines of its block."""
+def host_blocks(lib, counts: dict) -> list[tuple[frozenset, int]]:
+    """(source lines, warp-level executions) of every basic block of the kernel's own code in the
+    module loaded as ``lib``; ``counts``: pc (a run-time return address of the hook) -> executions
+    (a block that did not run counts 0)."""
     so, base = _lines._object_of(lib)
     returns, starts, ends = _code(so)
+    pcs = [base + int(r) for r in returns]
     first = _lines.own_locations(lib, pcs)
     samples = {}
-    for pc in pcs:
+    for k, pc in enumerate(pcs):
         if first[pc] is None:
             continue
         start = pc - base
-        k = bisect.bisect_right(returns, start)
-        end = int(returns[k]) - 5 if k < len(returns) else start + 1
+        end = int(returns[k + 1]) - 5 if k + 1 < len(returns) else start + 1
         f = bisect.bisect_right(starts, start) - 1
         if f >= 0 and start < ends[f]:  # not past its function's end
             end = min(end, int(ends[f]))
         samples[pc] = [base + a + 1 for a in range(start, max(end, start + 1), _SAMPLE)][:_MAX_SAMPLES]
     where = _lines.locations(lib, sorted({a for group in samples.values() for a in group}))
-    out = {pc: frozenset() for pc in pcs}
-    for pc, group in samples.items():
-        out[pc] = frozenset(w for a in group if (w := where[a]) != "??") | {first[pc]}
-    return out
+    return [(frozenset(w for a in group if (w := where[a]) != "??") | {first[pc]}, counts.get(pc, 0))
+            for pc, group in samples.items()]

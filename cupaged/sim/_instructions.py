@@ -2,34 +2,22 @@
 
 Two facts are combined. The SASS: the kernel's own cubin as basic blocks (``_sass.py``), each
 instruction with its source line. The run: the profiled build (``-fsanitize-coverage=trace-pc``) counts
-how often each warp ran each of g++'s basic blocks, under SIMT rules (cupaged_sim_profile.h): a warp
-runs a block once for all its lanes; between two scheduling points its executions are the most any
-lane made, so both sides of a branch that diverges inside a warp count. A host block's line (its first
-statement, in the kernel's own code) gives each source line's warp-level executions ``N(line)``: the
-most of its host blocks' counts.
+how often each warp ran each of g++'s basic blocks, under SIMT rules (cupaged_sim_profile.h), and each
+host block's source lines are read from the line tables (``_host_blocks.py``); a line's ``N`` is the
+most of its host blocks' counts. The profiled build unrolls the loops under ``#pragma unroll`` as
+ptxas does.
 
-The SASS blocks' executions ``x`` are then fitted by a linear program (HiGHS, through scipy): the
-entry block runs once per warp; a block runs at most as often as its predecessors together and, unless
-a warp may exit in it, at most as often as its successors together (a warp goes on somewhere; a
-diverged warp may go both ways); and for every line with a count, the executions of its copies match
-``N(line)`` as closely as possible (least absolute error, weighed by the line's instructions per copy).
-A block's copies of a line are found from the SASS alone: the instance of the line with the fewest
-instructions is one copy, and a block holding k times its instructions opcode by opcode (the median
-ratio) holds k copies, as an unrolled loop's body does. The fit never multiplies a line's count by the
-instructions of every copy: a loop that ptxas unrolled and g++ did not (or the reverse) is counted by
-how often its SASS blocks run. Ties are broken toward fewer instructions (a runtime-unrolled loop runs
-its widest version), and blocks that never run (``_sass.py``: slow paths) count 0.
-
-Assumptions and error (profiling/README.md): lanes of a warp run in step between scheduling points;
-a host block's first line stands for the block; the copies of one line inside one SASS block run
-equally often. The fit's residual (``InstructionCount.residual``: the share of the weighed line
-counts the fitted blocks do not explain) says how well the SASS and the run agree.
+The SASS blocks' executions are fitted to the run by a linear program (``_block_fit.py``: the
+control-flow rules of a warp, and the lines' counts as soft bounds). Here: the copies of a line each
+block holds, from the SASS and the source (``_copies``), and the count's totals, mix and lines.
+profiling/README.md ("Issued instructions") has the method, its assumptions and its error.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 from cupaged.sim import _block_fit, _sass
 
@@ -46,8 +34,56 @@ class InstructionCount:
     note: str = ""
 
 
-def _copies(blocks, running) -> dict:
-    """line -> {block index: copies of the line in that block}."""
+_PRAGMA = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+unroll\b[ \t]*(\d*)[ \t]*$", re.M)
+
+
+def _statement_end(code: str, i: int) -> int:
+    """The index just past the statement starting at or after ``i`` (a block, a for / while / if with
+    its body, or an expression statement), in code whose comments and strings do not matter here."""
+    while code[i].isspace():
+        i += 1
+    if code[i] == "{":
+        depth = 0
+        for j in range(i, len(code)):
+            depth += {"{": 1, "}": -1}.get(code[j], 0)
+            if depth == 0:
+                return j + 1
+    head = re.match(r"(for|while|if)\b\s*\(", code[i:])
+    if head:
+        depth, j = 0, i + head.end() - 1
+        for j in range(j, len(code)):
+            depth += {"(": 1, ")": -1}.get(code[j], 0)
+            if depth == 0:
+                break
+        end = _statement_end(code, j + 1)
+        rest = re.match(r"\s*else\b", code[end:]) if head.group(1) == "if" else None
+        return _statement_end(code, end + rest.end()) if rest else end
+    depth = 0
+    for j in range(i, len(code)):
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(code[j], 0)
+        if code[j] == ";" and depth == 0:
+            return j + 1
+    return len(code)
+
+
+def _loop_lines(code: str) -> tuple[frozenset, frozenset]:
+    """(lines of loops under ``#pragma unroll`` or ``#pragma unroll <literal>``, lines of the other loops).
+    The profiled host build unrolls the first as ptxas does (cupaged/sim/_compile.py, profile_source):
+    their SASS and host blocks hold the same copies. ptxas may unroll the others alone."""
+    mirrored, other = set(), set()
+    pragmas = {code.count("\n", 0, m.start()) + 1 for m in _PRAGMA.finditer(code)}
+    for m in re.finditer(r"\b(for|while)\s*\(", code):
+        first = code.count("\n", 0, m.start()) + 1
+        last = code.count("\n", 0, _statement_end(code, m.start())) + 1
+        (mirrored if first - 1 in pragmas else other).update(range(first, last + 1))
+    return frozenset(mirrored), frozenset(other - mirrored)
+
+
+def _copies(blocks, running, unrolled_alone=None) -> dict:
+    """line -> {block index: copies of the line in that block}: k where the block holds k times the
+    line's smallest instance, for a line of a loop only ptxas may unroll (``unrolled_alone``; None: any
+    line), else 1 (a loop both compilers unroll alike, or a helper's line, whose instances follow their
+    call sites' loops)."""
     opcodes = collections.defaultdict(dict)  # line -> block -> Counter of opcodes
     for k in running:
         for op, line in zip(blocks[k].opcodes, blocks[k].lines):
@@ -59,17 +95,20 @@ def _copies(blocks, running) -> dict:
         copies[line] = {}
         for k, have in per_block.items():
             ratios = sorted(have[op] / n for op, n in one.items() for _ in range(n))
-            copies[line][k] = max(1, int(ratios[len(ratios) // 2]))
+            alone = unrolled_alone is None or line in unrolled_alone
+            copies[line][k] = max(1, int(ratios[len(ratios) // 2])) if alone else 1
     return copies
 
 
-def count_instructions(blocks, line_executions: dict, warps: int) -> InstructionCount:
+def count_instructions(blocks, line_executions: dict, warps: int, host_blocks=(),
+                       unrolled_alone=None) -> InstructionCount:
     """The warp instructions of ``blocks`` (``_sass.SassBlock``) run by ``warps`` warps whose
     warp-level executions per source line were ``line_executions`` (see above)."""
     running = [k for k, b in enumerate(blocks) if not b.never]
     if warps <= 0 or not running:
         return InstructionCount(0, dict.fromkeys(("total", *_sass.CLASSES), 0), {}, 0.0)
-    per_warp, detail = _block_fit.fit(blocks, running, _copies(blocks, running), line_executions, warps)
+    copies = _copies(blocks, running, unrolled_alone)
+    per_warp, detail = _block_fit.fit(blocks, running, copies, line_executions, warps, host_blocks)
     if per_warp is None:
         return InstructionCount(None, None, {}, None, f"the block fit failed: {detail}")
     mix = dict.fromkeys(_sass.CLASSES, 0.0)
@@ -101,4 +140,5 @@ def launch_instructions(launch, arch: str = "sm_90") -> InstructionCount:
     except _sass.SassError as e:
         return InstructionCount(None, None, {}, None, str(e))
     threads = launch.block[0] * launch.block[1] * launch.block[2]
-    return count_instructions(blocks, launch.line_executions, launch.ctas_profiled * -(-threads // 32))
+    return count_instructions(blocks, launch.line_executions, launch.ctas_profiled * -(-threads // 32),
+                              launch.host_blocks, _loop_lines(launch.source)[1])

@@ -89,6 +89,8 @@ class Launch:
     options: tuple = dataclasses.field(default=(), repr=False, compare=False)  # and its compile options
     # per source line (shared.by_line's keys): the most warp-level executions of a host block holding it
     line_executions: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # the host build's basic blocks of the kernel's code: (their source lines, warp-level executions)
+    host_blocks: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
     @functools.cached_property
     def instructions(self):
@@ -209,16 +211,18 @@ class LaunchProbe:
         for site, wavefronts, ideal in self.sites:
             old = by_line.get(where[site], SharedTraffic(0, 0))
             by_line[where[site]] = SharedTraffic(old.wavefronts + wavefronts, old.ideal_wavefronts + ideal)
-        lines = _host_blocks.block_lines(lib, [pc for pc, _ in self.blocks])
+        blocks = _host_blocks.host_blocks(lib, dict(self.blocks))
         executions = {}
-        for pc, count in self.blocks:
-            for line in lines[pc]:
+        for lines, count in blocks:
+            for line in lines:
                 executions[line] = max(executions.get(line, 0), count)
+        # a line no host block ran says little (its host code may sit in a block of the sim's own)
+        executions = {line: n for line, n in executions.items() if n}
         s = self.structs.launch
         module = self.kernel.module
         launch = Launch(self.kernel.name, tuple(grid), tuple(block), int(shared_mem), args,
                         SharedTraffic(s.wavefronts, s.ideal_wavefronts, by_line), s.cp_async_bytes, s.mma_flops,
                         s.max_inflight_bytes_per_cta, int(np.prod(grid)), s.ctas_profiled, self.declared,
-                        module.code, module.options, executions)
+                        module.code, module.options, executions, tuple(blocks))
         for prof in _ACTIVE:
             prof.launches.append(launch)
