@@ -76,6 +76,12 @@ extern "C" __global__ void split(const float* x, float* y, unsigned mask) {
   }
   y[i] = v;
 }
+// a 64-bit division by a run-time divisor: ptxas tests whether both operands fit 32 bits (a short
+// inline path) and calls CUDA's __cuda_sm20_div_s64 subroutine for the others
+extern "C" __global__ void div64(const long long* a, long long* out, long long d) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  out[i] = a[i] / d;
+}
 """
 
 # the issue's classes, by the opcode before its first dot
@@ -297,4 +303,21 @@ def test_whole_warps_take_one_branch(sass, mask):
     runs = (1, 1) if mask else (0, 2)  # warps per CTA on each side
     chain_24, chain_40 = sorted((fall, taken), key=lambda side: [insn.op for insn in side].count("FFMA"))
     by_line, mix = issued((head + tail, 2 * ctas), (chain_24, runs[0] * ctas), (chain_40, runs[1] * ctas))
+    agrees(rec, by_line, mix)
+
+
+def test_a_64_bit_division_on_its_32_bit_path(sass):
+    code = sass["div64"]  # through the last EXIT: the subroutine after it is not in the listing's path
+    # ptxas: a prologue ending in `@!P0 BRA` past the call when both operands fit 32 bits; the call
+    # (MOV of the return address, CALL.REL) and a BRA over the inline path; the inline 32-bit division;
+    # then the join (BSYNC), the STG and EXIT. Operands under 2^31 take the inline path, never the call.
+    (branch,) = [k for k, insn in enumerate(code) if insn.op == "BRA" and insn.target and at(code, insn.target) > k
+                 and any(c.op.startswith("CALL") for c in code[k + 1:at(code, insn.target)])]
+    skipped = code[branch + 1:at(code, code[branch].target)]
+    path = code[:branch + 1] + code[at(code, code[branch].target):]
+    a = sim.asarray(np.arange(1, 129, dtype=np.int64) * 1000003)
+    out = sim.zeros(128, np.int64)
+    rec = launch("div64", 2, 64, (a, out, np.int64(7)), out, np.arange(1, 129, dtype=np.int64) * 1000003 // 7)
+    assert any(insn.op.startswith("CALL") for insn in skipped)
+    by_line, mix = issued((path, 4))
     agrees(rec, by_line, mix)

@@ -5,7 +5,7 @@ Unknowns: each block's executions ``x``, each edge's traversals ``e``, and the m
 warp's path through the control-flow graph, SIMT):
 - the entry runs once per warp; a block runs once per traversal of an edge into it, except where a
   diverged warp reconverges (a ``BSSY`` target): there the paths that arrive run it once together
-  (at most the traversals);
+  (at most the traversals, at least as often as the block whose ``BSSY`` set it up);
 - an edge is traversed at most once per execution of its source, and a warp leaving a block that it
   cannot exit in takes at least one edge (a warp that diverges takes both);
 - a warp leaves a loop (a natural loop of the graph) no more often than it enters it, however
@@ -145,6 +145,9 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
         into = [(edge[p, v], -1.0) for p in preds[v]]
         if blocks[running[v]].reconverges:
             ub.add([(v, 1.0)] + into, 0.0)
+            for k in blocks[running[v]].reconverges:  # the warp that set the point up reaches it once
+                if k in var:
+                    ub.add([(var[k], 1.0), (v, -1.0)], 0.0)
         else:
             eq.add([(v, 1.0)] + into, 0.0)
     for u in range(n):

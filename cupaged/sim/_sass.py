@@ -7,8 +7,11 @@ instruction with its source line. The blocks are the kernel's control-flow graph
   collective converged, so ptxas's fallback for a partial warp (``WARPSYNC.COLLECTIVE`` ...) never runs;
 - a call of one of CUDA's ``*_slowpath`` subroutines (fp32 division and reciprocal with operands out of
   the fast path's range: denormals, infinities) never happens, and the subroutines never run;
+- a call of another of CUDA's internal subroutines (64-bit integer division) runs a copy of it made
+  for that call, which returns to the call (its blocks carry no kernel line: the fit runs them along
+  their cheapest path);
 - blocks no path from the entry reaches (the padding after the last ``EXIT``) never run.
-A kernel that calls any other function is not supported (:class:`SassError`).
+A kernel that calls a function of its own is not supported (:class:`SassError`).
 
 ``nvdisasm`` comes from NVIDIA's wheel ``nvidia-cuda-nvdisasm`` (the ``profiling`` extra, pinned to the
 NVRTC wheel's CUDA major), else from ``$CUDA_HOME``/``PATH``. The parsed blocks are cached in the
@@ -17,6 +20,7 @@ per-user cache per (source, options, kernel, arch, NVRTC, nvdisasm, this module)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import glob
@@ -64,7 +68,8 @@ class SassBlock:
     """One basic block: its instructions' opcodes and source lines (an int: a line of the module's
     code; ``"path:line"``: another file; None: no line table entry), the blocks a warp may go to next
     (indices), whether a warp may leave the kernel in it, whether it never runs (see above), and whether
-    it is a point where a diverged warp reconverges (a ``BSSY`` target)."""
+    it is a point where a diverged warp reconverges (a ``BSSY`` target: ``reconverges`` lists the blocks
+    whose ``BSSY`` names it)."""
 
     start: int
     opcodes: tuple
@@ -72,7 +77,7 @@ class SassBlock:
     succs: tuple
     exits: bool
     never: bool
-    reconverges: bool = False
+    reconverges: tuple = ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,6 +120,7 @@ def _parse(text: str, mangled: str) -> tuple[list, dict, dict]:
             line = _line_key(m.group(1), int(m.group(2)))
         elif (m := _FUNCTION.match(row)) is not None:
             functions[m.group(1)] = len(ins)
+            line = None  # a subroutine's code has no line of the kernel's until one is printed
         elif (m := _LABEL.match(row.strip())) is not None:
             labels[m.group(1)] = len(ins)
         elif (m := _INSTRUCTION.match(row)) is not None:
@@ -127,6 +133,25 @@ def _parse(text: str, mangled: str) -> tuple[list, dict, dict]:
 _ENDS = ("BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "CALL", "KILL", "BPT")
 
 
+def _inline_call(raw, rets, calls, entry: int, back: tuple) -> int:
+    """Append a copy of the subroutine whose entry block is ``entry`` (its RET blocks going on to
+    ``back``, the call's next block) to ``raw``; the copy's entry."""
+    body, stack = [], [entry]
+    while stack:
+        k = stack.pop()
+        if k in body:
+            continue
+        if k in calls:
+            raise SassError("a subroutine that calls another is not supported")
+        body.append(k)
+        stack += raw[k][2]
+    new = {k: len(raw) + i for i, k in enumerate(body)}
+    for k in body:
+        s, e, succs, exits, _ = raw[k]
+        raw.append([s, e, back if k in rets else tuple(new[t] for t in succs), exits, False])
+    return new[entry]
+
+
 def _blocks(ins, labels, functions, mangled) -> list[SassBlock]:
     kernel_end = min([i for name, i in functions.items() if name != mangled] + [len(ins)])
     leaders = {0} | {i for i in labels.values() if i < len(ins)}
@@ -135,7 +160,7 @@ def _blocks(ins, labels, functions, mangled) -> list[SassBlock]:
             leaders.add(i + 1)
     starts = sorted(leaders)
     index = {s: k for k, s in enumerate(starts)}
-    raw = []
+    raw, rets, calls = [], set(), {}
     for k, s in enumerate(starts):
         e = starts[k + 1] if k + 1 < len(starts) else len(ins)
         _, predicated, op, operands, _ = ins[e - 1]
@@ -152,16 +177,31 @@ def _blocks(ins, labels, functions, mangled) -> list[SassBlock]:
             succs = [e] if predicated and falls else []
         elif base in ("RET", "BPT"):
             succs = []
+            if base == "RET":
+                rets.add(k)
         elif base == "CALL":
             callee = _TARGET.search(operands)
-            if not never and not (callee and callee.group(1).endswith("_slowpath")):
-                raise SassError(f"{mangled} calls {operands}: only CUDA's *_slowpath subroutines are supported")
-            never, succs = True, [e] if falls else []
+            name = callee.group(1) if callee else ""
+            if name.endswith("_slowpath"):
+                never = True
+            elif name in functions and not never:
+                calls[k] = index[functions[name]]
+            elif not never:
+                raise SassError(f"{mangled} calls {operands}: only CUDA's internal subroutines are supported")
+            succs = [e] if falls else []
         elif falls:
             succs = [e]
-        raw.append((s, e, tuple(index[t] for t in succs if t in index), exits, never))
-    bssy = {labels[t] for _, _, op, operands, _ in ins if op.startswith("BSSY") for t in _TARGET.findall(operands)
-            if t in labels}
+        raw.append([s, e, tuple(index[t] for t in succs if t in index), exits, never])
+    for k, entry in calls.items():  # each call runs its own copy of the subroutine, which returns to it
+        raw[k][2] = (_inline_call(raw, rets, calls, entry, raw[k][2]),)
+    block_of = {}
+    for k, (s, e, *_) in enumerate(raw[:len(starts)]):
+        block_of.update(dict.fromkeys(range(s, e), k))
+    bssy = collections.defaultdict(list)  # target's first instruction -> blocks whose BSSY names it
+    for i, (_, _, op, operands, _) in enumerate(ins):
+        for t in _TARGET.findall(operands) if op.startswith("BSSY") else ():
+            if t in labels:
+                bssy[labels[t]].append(block_of[i])
     reach, stack = set(), [0]
     while stack:  # blocks reachable from the entry through blocks that run
         k = stack.pop()
@@ -169,8 +209,9 @@ def _blocks(ins, labels, functions, mangled) -> list[SassBlock]:
             continue
         reach.add(k)
         stack += raw[k][2]
-    return [SassBlock(ins[s][0], tuple(x[2] for x in ins[s:e]), tuple(x[4] for x in ins[s:e]), succs, exits,
-                      never or k not in reach, s in bssy) for k, (s, e, succs, exits, never) in enumerate(raw)]
+    return [SassBlock(ins[s][0], tuple(x[2] for x in ins[s:e]), tuple(x[4] for x in ins[s:e]), tuple(succs), exits,
+                      never or k not in reach, tuple(bssy.get(s, ()) if k < len(starts) else ()))
+            for k, (s, e, succs, exits, never) in enumerate(raw)]
 
 
 def _cache_path(source, options, kernel, arch, tool) -> str:
@@ -193,7 +234,8 @@ def kernel_blocks(source: str, options, kernel: str, arch: str = "sm_90") -> lis
     if usable(path):
         try:
             with open(path, encoding="utf-8") as f:
-                return [SassBlock(b[0], tuple(b[1]), tuple(b[2]), tuple(b[3]), *b[4:]) for b in json.load(f)]
+                return [SassBlock(b[0], tuple(b[1]), tuple(b[2]), tuple(b[3]), b[4], b[5], tuple(b[6]))
+                        for b in json.load(f)]
         except (ValueError, TypeError, IndexError):
             pass
     program = _nvrtc.compile_cubin(source, arch=arch, options=options, name_expressions=(kernel,))
