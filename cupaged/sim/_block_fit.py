@@ -11,8 +11,9 @@ warp's path through the control-flow graph, SIMT):
 - a warp leaves a loop (a natural loop of the graph) no more often than it enters it, however
   its lanes' trip counts differ, and a loop never entered does not run.
 Soft rules, each miss costing the block's instructions of the line per copy: a line's principal block
-(its instance most deeply inside loops, then the one holding most of its instructions) runs its
-copies at least as often as the host block that looks like it ran (``_principal_count``), and no
+(of its instances that look like a host block holding it, the most deeply looped, then the one with
+most of its instructions: ``_principal``) runs its copies at least as often as those host blocks ran,
+and no
 block runs its copies of a line more often than the line ran (``N``: the most of the host blocks
 holding it). Ties go to fewer instructions, and a loop's iteration costs more than any block entered
 once.
@@ -108,13 +109,19 @@ def _loops(n: int, succs, preds) -> dict[int, set]:
     return dict(bodies)
 
 
-def _principal_count(line, block_lines: set, sass_lines: set, host_blocks, fallback) -> float:
-    """The most executions of a host block holding ``line`` that looks like the SASS block (more than
-    half of its lines that the SASS has at all are the block's: the guard before a loop holds a piece of the loop's
-    condition, but it is not the loop's body); ``fallback`` when none does."""
-    found = [count for lines, count in host_blocks if line in lines
-             and 2 * len(lines & block_lines) > len(lines & sass_lines)]
-    return max(found) if found else fallback
+def _principal(line, candidates, blocks, sass_lines: set, host_blocks, fallback) -> tuple[int, float]:
+    """(the principal block of ``line``, the executions it must reach): the first of ``candidates`` (its
+    blocks, most deeply looped first) that looks like a host block holding the line — more than half of
+    that host block's lines the SASS has at all are the block's (the guard before a loop holds a piece
+    of the loop's condition, but it is not the loop's body; a helper inlined at several places has an
+    instance at each) — with the most executions of such host blocks; else the first, at ``fallback``."""
+    for k in candidates:
+        mine = set(blocks[k].lines)
+        found = [count for lines, count in host_blocks
+                 if line in lines and 2 * len(lines & mine) > len(lines & sass_lines)]
+        if found:
+            return k, max(found)
+    return candidates[0], fallback
 
 
 def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_blocks=()):
@@ -174,8 +181,8 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
     for j, line in enumerate(observed):
         # its principal block (the most deeply looped, then the most of its instructions) runs its
         # copies at least as often as the host block that looks like it ran
-        k = max(copies[line], key=lambda k: (depth[var[k]], blocks[k].lines.count(line), -k))
-        count = _principal_count(line, set(blocks[k].lines), sass_lines, host_blocks, line_executions[line])
+        candidates = sorted(copies[line], key=lambda k: (-depth[var[k]], -blocks[k].lines.count(line), k))
+        k, count = _principal(line, candidates, blocks, sass_lines, host_blocks, line_executions[line])
         ub.add([(var[k], -float(copies[line][k])), (short0 + j, -1.0)], -count / warps)
         cost[short0 + j] = blocks[k].lines.count(line) / copies[line][k]
     for j, (line, v, c) in enumerate(pairs):
