@@ -108,6 +108,18 @@ namespace cupaged {
 
 constexpr int PA_THREADS = 128;  // 4 warps
 constexpr int PA_MERGE_COLS = 128;  // the reduce kernel's output columns a CTA: 4 a lane
+// Occupancy budgets, read by the host's plan (cupaged/_attention_kernels.py) through cupaged/_mirror.py.
+constexpr int SM_REGISTERS = 65536;  // 32-bit registers of an SM (sm_80, sm_90)
+constexpr int PD_REGISTERS = 128;    // a thread's registers in the decode kernels: 4 CTAs of PD_THREADS an SM
+constexpr int PF_REGISTERS = 255;    // a thread's registers in the prefill kernel (ptxas's most): 2 CTAs an SM
+constexpr int MD_REGISTERS = 255;    // a thread's registers in the MLA decode kernel: 2 CTAs of 128, 1 of 256
+constexpr int PD_SMEM_FOR_4 = 65536;   // paged_decode_kernel: 4 stages where they fit in these bytes,
+constexpr int PD_SMEM_FOR_3 = 98304;   // else 3 in these, else 2
+constexpr int PM_SMEM_FOR_3 = 65536;   // paged_decode_mma_kernel: 3 stages where they fit in these bytes, else 2
+constexpr int PF_SMEM_FOR_3 = 101376;  // paged_prefill_kernel: 3 stages where they and its q tile fit in 99 KB
+                                       // (sm_86 / sm_89's most a block), else 2
+constexpr int MD_STAGES_16 = 2;  // mla_decode_kernel's stages with 16 heads a CTA (2 CTAs an SM)
+constexpr int MD_STAGES_32 = 3;  // and with 32 heads (1 CTA an SM)
 
 
 // One query row of a CTA.
@@ -232,7 +244,7 @@ struct PdSmem {
   static constexpr int UNROLL = sizeof(CacheT) == 4 ? 1 : 0;  // pd_issue's loop (0: the compiler's choice); float32
                                                               // not unrolled: its copies' addresses would spill
   static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);  // K tile then V tile, bytes
-  static constexpr int STAGES = 4 * STAGE <= 65536 ? 4 : 3 * STAGE <= 98304 ? 3 : 2;
+  static constexpr int STAGES = 4 * STAGE <= PD_SMEM_FOR_4 ? 4 : 3 * STAGE <= PD_SMEM_FOR_3 ? 3 : 2;
   static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;                // per warp: m, l, o of each row
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
   static __device__ __forceinline__ int k_at(int j, int c) { return j * PITCH + c * 16; }  // pd_issue's placement
@@ -550,7 +562,7 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
 }
 
 template <class T, int KV, int HD, bool VT>
-__global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_kernel(
+__global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_REGISTERS)) paged_decode_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, dense rows, or vLLM's
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (VT: values [.., head_size, block_size])
@@ -643,7 +655,7 @@ struct PmSmem {
   static constexpr bool PREFETCH = true;
   static constexpr int UNROLL = 0;  // pd_issue's loop: the compiler's choice
   static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);
-  static constexpr int STAGES = 3 * STAGE <= 65536 ? 3 : 2;
+  static constexpr int STAGES = 3 * STAGE <= PM_SMEM_FOR_3 ? 3 : 2;
   static constexpr int MERGE = 4 * PM_ROWS * (HD + 2) * 4;
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
   static __device__ __forceinline__ int k_at(int j, int c) { return j * PITCH + c * 16; }  // pd_issue's placement
@@ -794,7 +806,7 @@ __device__ __forceinline__ void pm_finish(unsigned char* smem, const float (&o)[
 }
 
 template <class T, int KV, int HD, bool VT>
-__global__ void __launch_bounds__(PD_THREADS, 4) paged_decode_mma_kernel(
+__global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_REGISTERS)) paged_decode_mma_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size <= 128]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // as paged_decode_kernel's
     const typename CacheType<KV, T>::type* __restrict__ value_cache,
@@ -925,7 +937,7 @@ struct PfSmem {
   static constexpr int KROW = HD * int(sizeof(CacheT)), VROW = VHD * int(sizeof(CacheT));  // a stage's rows, bytes
   static constexpr int STAGE = TILE * (KROW + VROW);
   static constexpr int FIXED = ROWS * HD * 2 + (CONVERT ? TILE * (HD + VHD) * 2 : 0);  // the q and converted tiles
-  static constexpr int STAGES = 3 * STAGE + FIXED <= 99 * 1024 ? 3 : 2;  // within sm_86 / sm_89's 99 KB
+  static constexpr int STAGES = 3 * STAGE + FIXED <= PF_SMEM_FOR_3 ? 3 : 2;
   static constexpr int Q = STAGES * STAGE;                  // [ROWS][HD] of q's type (pf_at)
   static constexpr int CK = Q + ROWS * HD * 2;              // fp8: the stage's K [TILE][HD] and V [TILE][VHD] in q's
   static constexpr int CV = CK + (CONVERT ? TILE * HD * 2 : 0);  // type (pf_at)
@@ -1114,7 +1126,7 @@ __device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const
 }
 
 template <class T, int KV, int HD, int VHD>
-__global__ void __launch_bounds__(PD_THREADS, 2) paged_prefill_kernel(
+__global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_REGISTERS)) paged_prefill_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
@@ -1228,7 +1240,7 @@ struct MdSmem {
   static constexpr int ROW = MD_HD * int(sizeof(CacheT)) + 16;  // a stage's row, bytes (+16: conflict-free)
   static constexpr int TROW = MD_HD * 2 + 16;                   // a 16-bit row, the mma operands' tile
   static constexpr int STAGE = PD_TILE * ROW;
-  static constexpr int STAGES = MT == 1 ? 2 : 3;                // MT 1: 2 CTAs an SM; MT 2: 1
+  static constexpr int STAGES = MT == 1 ? MD_STAGES_16 : MD_STAGES_32;
   static constexpr int CONV = STAGES * STAGE;                   // fp8: the converted tile
   static constexpr int SPART = CONV + (sizeof(CacheT) == 1 ? PD_TILE * TROW : 0);  // [4][ROWS][32] floats
   static constexpr int P = SPART + 4 * ROWS * PD_TILE * 4;       // [ROWS][32] floats
@@ -1422,7 +1434,7 @@ __device__ __forceinline__ void md_finish(const float (&o)[MW][NC][4], const flo
 }
 
 template <class T, int KV, int MT>
-__global__ void __launch_bounds__(128 * MT, MT == 1 ? 2 : 1) mla_decode_kernel(
+__global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGISTERS)) mla_decode_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size <= 576]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // [num_blocks, block_size, head_size] latent
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // the same array (rows 16-byte aligned)
