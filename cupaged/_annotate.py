@@ -12,9 +12,8 @@ import contextlib
 import dataclasses
 import os
 
-import numpy as np
-
-from cupaged.sim import _profile
+from cupaged._backend import on_sim
+from cupaged.sim.profiler import _profile
 
 __all__ = ["Declared", "op_range", "declare_launch", "op_launch", "nvtx_enabled"]
 
@@ -51,7 +50,7 @@ def op_range(op: str, label):
 def declare_launch(xp, op: str, label, cost):
     """A context around an op's main launch: under a sim profile, the launch records
     ``Declared(op, label(), cost().min_bytes, cost().flops)``; otherwise a no-op."""
-    if xp is not np or not _profile.active():
+    if not on_sim(xp) or not _profile.active():
         return _OFF
     c = cost()
     return _profile.declare(Declared(op, label(), int(c.min_bytes), int(c.flops)))
@@ -60,7 +59,7 @@ def declare_launch(xp, op: str, label, cost):
 def op_launch(xp, op: str, label, cost):
     """An op of one launch: its NVTX range and its declaration together (the shared no-op context
     when neither is on: the default path builds no generator)."""
-    if not nvtx_enabled() and (xp is not np or not _profile.active()):
+    if not nvtx_enabled() and (not on_sim(xp) or not _profile.active()):
         return _OFF
     return _both(op_range(op, label), declare_launch(xp, op, label, cost))
 

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from cupaged._backend import array_kind, empty, host_copy, module_of, upload
+from cupaged._backend import array_kind, empty, host_copy, is_device_array, module_of, on_sim, upload
 from cupaged._cache_args import cache_dtype, check_index
 from cupaged._checks import FLOAT_DTYPES, address, check_array, check_choice, check_dtype, check_float, \
     check_last_contiguous, check_ndim, check_optional_int, check_writable, element_strides, float32_value
@@ -132,16 +132,15 @@ def check_head_vector(name, a, num_heads, xp):
     """None, or float32 [num_heads] (a numpy array beside cupy data is uploaded)."""
     if a is None:
         return None
-    module = array_kind(a)
-    if module is None:
+    if array_kind(a) is None:
         raise TypeError(f"{name} must be a float32 array [num_heads], got {type(a).__name__}")
     if a.dtype != np.float32:
         raise TypeError(f"{name} must be float32, got {a.dtype}")
     if a.shape != (num_heads,):
         raise ValueError(f"{name} must be [num_heads] = [{num_heads}], got shape {tuple(a.shape)}")
-    if module == "cupy" and xp is np:
+    if is_device_array(a) and on_sim(xp):
         raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
-    return xp.ascontiguousarray(a) if module == xp.__name__ else upload(xp, a, name)
+    return xp.ascontiguousarray(a) if module_of(a) is xp else upload(xp, a, name)
 
 
 def check_out(out, like, name, shape=None):

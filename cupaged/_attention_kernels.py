@@ -1,15 +1,22 @@
 """The kernels of kernels_cu/paged_attention.cu as the attention engine (cupaged/attention.py) launches them:
-their name expressions (the family), the constants and dynamic shared memory of each, and the decode route
-that sends short query runs to a decode kernel. The sizes mirror the kernels' own structs
-(tests/test_mirror.py checks every one)."""
+their name expressions (the family), the constants and dynamic shared memory of each, and the routes that send
+short query runs to a decode kernel and long ones to the prefill kernel, each a :class:`Route` holding its
+:class:`~cupaged._launch.Launch`. The sizes mirror the kernels' own structs, and their stage thresholds and
+register budgets are the source's constants (tests/test_mirror.py checks every one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 from cupaged._cache_args import KV_KINDS
+from cupaged._launch import Launch
 from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
+
+if TYPE_CHECKING:
+    from cupaged._plan import PlanKey
 
 HEAD_BUCKETS = (64, 128, 256)  # compile-time head-size capacities; the exact size is a run-time value
 MLA_BUCKET = (576, 512)  # MLA: latent rows of kv_lora_rank + rope_dim, values the first kv_lora_rank
@@ -55,21 +62,31 @@ FAMILY = KernelFamily("paged_attention", [
 
 @functools.lru_cache(maxsize=None)
 def kernel_constants() -> dict[str, int]:
-    """PA_*, PD_* (the decode kernels'), PM_* (the tensor-core decode kernel's) and MD_* (MLA decode's) as
-    kernels_cu/paged_attention.cu defines them."""
-    return constants(FAMILY.source, "PA_THREADS", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE",
-                     "PD_MAX_Q", "PD_ROWS", "PM_TILE", "PM_ROWS", "MD_HD")
+    """PA_*, PD_* (the decode kernels'), PM_* (the tensor-core decode kernel's), PF_* (prefill's) and MD_* (MLA
+    decode's) as the family's source defines them: shapes, the shared bytes each kernel's pipeline stages may
+    take, and the registers a thread its __launch_bounds__ allow (of SM_REGISTERS an SM)."""
+    return constants(FAMILY.source, "PA_THREADS", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE", "PD_MAX_Q", "PD_ROWS",
+                     "PM_TILE", "PM_ROWS", "MD_HD", "SM_REGISTERS", "PD_REGISTERS", "PF_REGISTERS", "MD_REGISTERS",
+                     "PD_SMEM_FOR_4", "PD_SMEM_FOR_3", "PM_SMEM_FOR_3", "PF_SMEM_FOR_3", "MD_STAGES_16",
+                     "MD_STAGES_32")
 
 
-def decode_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
-    """Dynamic shared memory of paged_decode_kernel: PdSmem<CacheT, HD, VT>::BYTES (its pipeline stages of TILE
-    keys: K rows, then V rows or vLLM's V^T rows padded by 16 bytes; or the warps' merge area when larger)."""
+def decode_pipeline(cache_itemsize: int, hd: int, vt: bool = False) -> tuple[int, int]:
+    """PdSmem<CacheT, HD, VT>'s (STAGES, STAGE): paged_decode_kernel's pipeline stages of TILE keys and a stage's
+    bytes (K rows, then V rows or vLLM's V^T rows padded by 16 bytes): 4 stages within PD_SMEM_FOR_4, else 3 within
+    PD_SMEM_FOR_3, else 2."""
     c = kernel_constants()
     tile = decode_tile(cache_itemsize, hd)
     rows = tile * hd * cache_itemsize
     stage = rows + (hd * (tile * cache_itemsize + 16) if vt else rows)
-    stages = 4 if 4 * stage <= 65536 else 3 if 3 * stage <= 98304 else 2
-    return max(stages * stage, 4 * c["PD_ROWS"] * (hd + 2) * 4)
+    return (4 if 4 * stage <= c["PD_SMEM_FOR_4"] else 3 if 3 * stage <= c["PD_SMEM_FOR_3"] else 2), stage
+
+
+def decode_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
+    """Dynamic shared memory of paged_decode_kernel: PdSmem<CacheT, HD, VT>::BYTES (its pipeline stages, or the
+    warps' merge area when larger)."""
+    stages, stage = decode_pipeline(cache_itemsize, hd, vt)
+    return max(stages * stage, 4 * kernel_constants()["PD_ROWS"] * (hd + 2) * 4)
 
 
 def decode_tile(cache_itemsize: int, hd: int) -> int:
@@ -77,14 +94,21 @@ def decode_tile(cache_itemsize: int, hd: int) -> int:
     return 16 if cache_itemsize == 4 and hd == 256 else kernel_constants()["PD_TILE"]
 
 
-def decode_mma_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
-    """Dynamic shared memory of paged_decode_mma_kernel: PmSmem<CacheT, HD, VT>::BYTES (stages of K rows padded by
-    16 bytes, then V rows alike or, for vLLM's values (vt), V^T rows of the tile's keys; or the merge area)."""
+def decode_mma_pipeline(cache_itemsize: int, hd: int, vt: bool = False) -> tuple[int, int]:
+    """PmSmem<CacheT, HD, VT>'s (STAGES, STAGE): paged_decode_mma_kernel's stages of K rows padded by 16 bytes, then
+    V rows alike or, for vLLM's values (vt), V^T rows of the tile's keys: 3 within PM_SMEM_FOR_3, else 2."""
     c = kernel_constants()
     tile = c["PM_TILE"]
     rows = tile * (hd * cache_itemsize + 16)
     stage = rows + (hd * (tile if cache_itemsize == 1 else 2 * tile + 16) if vt else rows)
-    return max((3 if 3 * stage <= 65536 else 2) * stage, 4 * c["PM_ROWS"] * (hd + 2) * 4)
+    return (3 if 3 * stage <= c["PM_SMEM_FOR_3"] else 2), stage
+
+
+def decode_mma_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
+    """Dynamic shared memory of paged_decode_mma_kernel: PmSmem<CacheT, HD, VT>::BYTES (its stages, or the merge
+    area when larger)."""
+    stages, stage = decode_mma_pipeline(cache_itemsize, hd, vt)
+    return max(stages * stage, 4 * kernel_constants()["PM_ROWS"] * (hd + 2) * 4)
 
 
 def prefill_shape(hd: int, vhd: int) -> tuple[int, int]:
@@ -93,74 +117,124 @@ def prefill_shape(hd: int, vhd: int) -> tuple[int, int]:
     return (128 if vhd <= 128 else 64), (32 if hd > 64 else 64)
 
 
-def prefill_smem_bytes(cache_itemsize: int, hd: int, vhd: int) -> int:
-    """Dynamic shared memory of paged_prefill_kernel: PfSmem<CacheT, HD, VHD>::BYTES (3 stages of K and V rows of
-    TILE keys, 2 where 3 would pass 99 KB, the q tile of ROWS rows, and fp8's converted K and V tiles)."""
+def _prefill_fixed(cache_itemsize: int, hd: int, vhd: int) -> int:
+    """PfSmem::FIXED: the q tile of ROWS rows and fp8's K and V tiles converted to 16 bits."""
     rows, tile = prefill_shape(hd, vhd)
-    stage = tile * (hd + vhd) * cache_itemsize
-    fixed = rows * hd * 2 + (tile * (hd + vhd) * 2 if cache_itemsize == 1 else 0)
-    return (3 if 3 * stage + fixed <= 99 * 1024 else 2) * stage + fixed
+    return rows * hd * 2 + (tile * (hd + vhd) * 2 if cache_itemsize == 1 else 0)
 
 
-def prefill_route(kind, q_dtype, t, kv, head_size, v_head_size, rows):
-    """(kernel, shared bytes, rows a CTA) of the tensor-core prefill kernel for the long query runs, or None (float32
-    and vLLM's layout, which a decode kernel takes whole): 16-bit q over K/V rows (``rows``: flash NHD / HND caches,
-    dense varlen rows), head sizes up to 256 in the smallest bucket that holds them."""
-    if kind == "mla" or q_dtype.itemsize != 2 or not rows:
-        return None
-    hd, vhd = next(b for b in PREFILL_BUCKETS if b[0] >= head_size and b[1] >= v_head_size
-                   and (b[0] == b[1] or kv == KV_KINDS[0]))
-    itemsize = q_dtype.itemsize if kv == KV_KINDS[0] else 1
-    return (prefill_kernel(t, kv, hd, vhd), prefill_smem_bytes(itemsize, hd, vhd),
-            prefill_shape(hd, vhd)[0])
+def prefill_pipeline(cache_itemsize: int, hd: int, vhd: int) -> tuple[int, int]:
+    """PfSmem<CacheT, HD, VHD>'s (STAGES, STAGE): paged_prefill_kernel's stages of K and V rows of TILE keys: 3 where
+    they and the fixed tiles fit PF_SMEM_FOR_3 (99 KB), else 2."""
+    stage = prefill_shape(hd, vhd)[1] * (hd + vhd) * cache_itemsize
+    fits = 3 * stage + _prefill_fixed(cache_itemsize, hd, vhd) <= kernel_constants()["PF_SMEM_FOR_3"]
+    return (3 if fits else 2), stage
+
+
+def prefill_smem_bytes(cache_itemsize: int, hd: int, vhd: int) -> int:
+    """Dynamic shared memory of paged_prefill_kernel: PfSmem<CacheT, HD, VHD>::BYTES (its stages, the q tile and
+    fp8's converted tiles)."""
+    stages, stage = prefill_pipeline(cache_itemsize, hd, vhd)
+    return stages * stage + _prefill_fixed(cache_itemsize, hd, vhd)
+
+
+def mla_pipeline(cache_itemsize: int, mt: int) -> tuple[int, int]:
+    """MdSmem<CacheT, MT>'s (STAGES, STAGE): mla_decode_kernel's stages of PD_TILE padded latent rows, MD_STAGES_16
+    with 16 heads a CTA (MT 1), MD_STAGES_32 with 32."""
+    c = kernel_constants()
+    return c["MD_STAGES_16"] if mt == 1 else c["MD_STAGES_32"], c["PD_TILE"] * (c["MD_HD"] * cache_itemsize + 16)
 
 
 def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
-    """Dynamic shared memory of the MLA decode kernel: MdSmem<CacheT, MT>::BYTES (its stages of padded latent
-    rows, fp8's converted tile, the score partials, P and the rows' state)."""
+    """Dynamic shared memory of the MLA decode kernel: MdSmem<CacheT, MT>::BYTES (its stages, fp8's converted tile,
+    the score partials, P and the rows' state)."""
     c = kernel_constants()
     tile, width, rows = c["PD_TILE"], c["MD_HD"], 16 * mt
-    stages = 2 if mt == 1 else 3
+    stages, stage = mla_pipeline(cache_itemsize, mt)
     converted = tile * (2 * width + 16) if cache_itemsize == 1 else 0
-    return stages * tile * (width * cache_itemsize + 16) + converted + 5 * rows * tile * 4 + 4 * rows * 4
+    return stages * stage + converted + 5 * rows * tile * 4 + 4 * rows * 4
 
 
-def resident_ctas(threads: int, shared_bytes: int, sm_shared: int, registers: int = 128) -> int:
-    """CTAs of a kernel resident on one SM (0: not even one fits): each thread held to ``registers`` by the kernel's
-    __launch_bounds__ (the compile gate checks: 128 for the GQA decode kernels, 255 for the prefill and MLA decode
-    kernels), and the driver reserves 1 KB of shared memory per CTA."""
-    return min(65536 // (registers * threads), 2048 // threads, sm_shared // (shared_bytes + 1024))
+def resident_ctas(threads: int, shared_bytes: int, sm_shared: int, registers: int) -> int:
+    """CTAs of a kernel resident on one SM (0: not even one fits): each thread held to ``registers`` of the SM's
+    SM_REGISTERS by the kernel's __launch_bounds__ (the compile gate checks them), at most 2048 threads an SM (sm_80,
+    sm_90), and the driver reserves 1 KB of shared memory per CTA."""
+    return min(kernel_constants()["SM_REGISTERS"] // (registers * threads), 2048 // threads,
+               sm_shared // (shared_bytes + 1024))
 
 
-def decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, layout, sm_shared):
-    """(kernel, decode_max_q, tiles, threads, shared bytes) of the decode kernel the plan routes short query runs
-    to, or None (float32 MLA: none). ``layout``: KvView.decode_layout; ``sm_shared``: the device's shared memory
-    an SM.
-    mla_decode_kernel: 16-bit q over a paged latent cache, every query run (one query at a time per CTA).
-    paged_decode_mma_kernel (tiles of 8 query rows): 16-bit q, head size <= 128, GQA groups over 4, or any group
-    over vLLM's values (its V^T tiles feed the tensor cores as they are). paged_decode_kernel (tiles of 4 rows):
-    the rest, float32 q included (the CUDA-core path: the prefill kernel is 16-bit)."""
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A kernel the plan sends query runs to: its launch over one KV split (grid: row tiles, kv heads, sequences;
+    the plan repeats x for each split), the longest run it takes (ALL_ROWS: every run the other kernel leaves) and
+    its CTAs resident on an SM (the occupancy the split choice fills)."""
+
+    launch: Launch
+    max_q: int
+    per_sm: int
+
+
+def _route(key: PlanKey, kernel: str, tiles: int, threads: int, shared_mem: int, registers: int,
+           max_q: int = ALL_ROWS) -> Route:
+    launch = Launch(kernel, (tiles, key.num_kv_heads, key.num_seqs), (threads, 1, 1), shared_mem)
+    return Route(launch, max_q, resident_ctas(threads, shared_mem, key.sm_shared, registers))
+
+
+def decode_route(key: PlanKey) -> Route:
+    """The decode kernel the plan routes short query runs to.
+    mla_decode_kernel: 16-bit q over a paged latent cache, every query run (one query at a time per CTA; float32 q
+    is a NotImplementedError). paged_decode_mma_kernel (tiles of 8 query rows): 16-bit q, head size <= 128, GQA
+    groups over 4, or any group over vLLM's values (its V^T tiles feed the tensor cores as they are).
+    paged_decode_kernel (tiles of 4 rows): the rest, float32 q included (the CUDA-core path: the prefill kernel is
+    16-bit)."""
     c = kernel_constants()
-    if kind == "mla":
-        if q_dtype.itemsize != 2:
-            return None
+    t, kv, itemsize = key.ctype, key.kv_code, key.cache_itemsize
+    if key.kind == "mla":
+        if key.q_dtype.itemsize != 2:
+            raise NotImplementedError(f"q dtype {key.q_dtype}: attention over an MLA latent cache takes float16 or "
+                                      f"bfloat16 q (mla_decode_kernel runs on tensor cores)")
         wide = MLA_TILES[-1]  # 32 heads a CTA where its 130 KB fit the SM (sm_80 / sm_90; not sm_86 / sm_89)
-        fits = resident_ctas(128 * wide, mla_smem_bytes(cache_itemsize, wide), sm_shared, 255) > 0
-        mt = wide if num_heads > 16 * MLA_TILES[0] and fits else MLA_TILES[0]
+        fits = resident_ctas(128 * wide, mla_smem_bytes(itemsize, wide), key.sm_shared, c["MD_REGISTERS"]) > 0
+        mt = wide if key.num_heads > 16 * MLA_TILES[0] and fits else MLA_TILES[0]
         # every run: a CTA takes one query of the run at a time (tiles: head tiles x min(max_q, PD_MAX_Q) queries)
-        return (mla_kernel(t, kv, mt), ALL_ROWS, -(-num_heads // (16 * mt)) * min(max_q, c["PD_MAX_Q"]), 128 * mt,
-                mla_smem_bytes(cache_itemsize, mt))
-    vt = layout == "vllm"
+        return _route(key, mla_kernel(t, kv, mt), -(-key.num_heads // (16 * mt)) * min(key.max_q, c["PD_MAX_Q"]),
+                      128 * mt, mla_smem_bytes(itemsize, mt), c["MD_REGISTERS"])
+    hd = next((b for b in HEAD_BUCKETS if b >= max(key.head_size, key.v_head_size)), None)
+    if hd is None:
+        raise NotImplementedError(f"head_size={max(key.head_size, key.v_head_size)}: at most {HEAD_BUCKETS[-1]} is "
+                                  f"supported")
+    vt = key.decode_layout == "vllm"
     # A short run (<= PD_MAX_Q) takes a decode kernel; one that knows every run is short, float32 q (the CUDA-core
     # path: the prefill kernel is 16-bit) and vLLM's values (decode's layout) take every run, an understated hint
     # still right: a CTA takes its sequence's later row tiles in turn. Longer runs: paged_prefill_kernel.
-    every = q_dtype.itemsize == 4 or vt or max_q <= c["PD_MAX_Q"]
-    short = max_q if every else c["PD_MAX_Q"]
-    max_q_taken = ALL_ROWS if every else c["PD_MAX_Q"]
+    every = key.q_dtype.itemsize == 4 or vt or key.max_q <= c["PD_MAX_Q"]
+    short = key.max_q if every else c["PD_MAX_Q"]
+    max_q = ALL_ROWS if every else c["PD_MAX_Q"]
     # Chosen from the model's shape and cache alone (never from the batch's query lengths), so a sequence takes
     # the same kernel in every batch: a fixed kv_split_size keeps its results bitwise the same.
-    if (group > c["PD_ROWS"] or vt) and q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
-        return (decode_mma_kernel(t, kv, hd, vt), max_q_taken, -(-short * group // c["PM_ROWS"]), c["PD_THREADS"],
-                decode_mma_smem_bytes(cache_itemsize, hd, vt))
-    return (decode_kernel(t, kv, hd, vt), max_q_taken, -(-short * group // c["PD_ROWS"]), c["PD_THREADS"],
-            decode_smem_bytes(cache_itemsize, hd, vt))
+    if (key.group > c["PD_ROWS"] or vt) and key.q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
+        return _route(key, decode_mma_kernel(t, kv, hd, vt), -(-short * key.group // c["PM_ROWS"]), c["PD_THREADS"],
+                      decode_mma_smem_bytes(itemsize, hd, vt), c["PD_REGISTERS"], max_q)
+    return _route(key, decode_kernel(t, kv, hd, vt), -(-short * key.group // c["PD_ROWS"]), c["PD_THREADS"],
+                  decode_smem_bytes(itemsize, hd, vt), c["PD_REGISTERS"], max_q)
+
+
+def prefill_route(key: PlanKey) -> Route | None:
+    """The tensor-core prefill kernel for the runs the decode kernel leaves, or None (float32 and vLLM's layout,
+    which a decode kernel takes whole): 16-bit q over K/V rows (KvView.prefill_rows: flash NHD / HND caches, dense
+    varlen rows), head sizes up to 256 in the smallest bucket that holds them, ROWS (token, head) rows a CTA."""
+    if key.kind == "mla" or key.q_dtype.itemsize != 2 or not key.prefill_rows:
+        return None
+    hd, vhd = next(b for b in PREFILL_BUCKETS if b[0] >= key.head_size and b[1] >= key.v_head_size
+                   and (b[0] == b[1] or key.kv_code == KV_KINDS[0]))
+    c = kernel_constants()
+    return _route(key, prefill_kernel(key.ctype, key.kv_code, hd, vhd),
+                  -(-key.max_q * key.group // prefill_shape(hd, vhd)[0]), c["PD_THREADS"],
+                  prefill_smem_bytes(key.cache_itemsize, hd, vhd), c["PF_REGISTERS"])
+
+
+def merge_launch(key: PlanKey) -> Launch:
+    """The split merge: a CTA of PA_THREADS per (token, head, PA_MERGE_COLS output columns)."""
+    c = kernel_constants()
+    return Launch(reduce_kernel(key.ctype), (key.num_tokens, key.num_heads, -(-key.v_head_size // c["PA_MERGE_COLS"])),
+                  (c["PA_THREADS"], 1, 1))

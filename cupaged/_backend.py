@@ -2,21 +2,24 @@
 
 ``xp`` everywhere in cupaged is the array module of an op's data: ``numpy`` (the kernels run on the
 sim, and the arrays an op allocates live in the sim's guarded memory, so they are passed without a
-copy) or ``cupy`` (the GPU). Nothing else in the package tests which one it has.
+copy) or ``cupy`` (the GPU); what KVCache and BatchPlan allocate with is ``cupaged.sim`` or ``cupy``
+(``resolve_array_module``). Nothing else in the package tests which one it has (tests/test_backend_seam.py
+reads every module for such tests).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
-import warnings
 
 import numpy as np
 
-__all__ = ["array_module", "array_kind", "module_of", "is_device_array", "empty", "capturing", "upload", "host_copy",
-           "struct_arg",
-           "gpu_module", "probe_gpu", "require_gpu", "GpuProbe", "GpuUnavailableWarning",
+from cupaged._gpu_probe import (GpuProbe, GpuUnavailableError, GpuUnavailableWarning, gpu_module, probe_gpu,
+                                require_gpu)
+
+__all__ = ["array_module", "array_kind", "module_of", "is_device_array", "is_host_array", "on_sim", "device_key",
+           "empty", "capturing", "upload", "to_device", "host_copy", "struct_arg", "default_array_module",
+           "resolve_array_module", "gpu_module", "probe_gpu", "require_gpu", "GpuProbe", "GpuUnavailableWarning",
            "GpuUnavailableError", "sm_count", "device_shared_limit"]
 
 NOMINAL_SMS = 132  # H100/H200: what the sim sizes grids for
@@ -29,6 +32,23 @@ def _cupy():
 def is_device_array(a) -> bool:
     cupy = _cupy()
     return cupy is not None and isinstance(a, cupy.ndarray)
+
+
+def is_host_array(a) -> bool:
+    """A numpy array: host memory, where the sim's kernels run (or a small host index array beside cupy data)."""
+    return isinstance(a, np.ndarray)
+
+
+def on_sim(xp) -> bool:
+    """Whether ``xp``'s kernels run on the sim: numpy (an op's array module) or ``cupaged.sim`` (what KVCache
+    and BatchPlan allocate with); cupy's run on the GPU."""
+    return xp is np or xp is sys.modules.get("cupaged.sim")  # an xp that is the sim has imported it
+
+
+def device_key(xp):
+    """What is kept per backend and device (uploaded tables, frequencies) is keyed by: "numpy" for the sim,
+    ("cupy", the current device's id) for the GPU."""
+    return "numpy" if xp is np else ("cupy", xp.cuda.Device().id)
 
 
 def array_kind(a) -> str | None:
@@ -102,8 +122,40 @@ def upload(xp, a, name: str = "a host index array"):
     return xp.asarray(a)
 
 
+def to_device(xp, a, name: str):
+    """Host array ``a`` where ``xp``'s kernels read it: in guarded sim memory for numpy (``a`` itself when it is
+    there already), uploaded for cupy (so not during CUDA graph capture: a ValueError naming it)."""
+    if xp is np:
+        from cupaged import sim
+
+        return sim.asarray(a)
+    return upload(xp, a, name)
+
+
+def default_array_module():
+    """cupy when it imports and sees a device, else ``cupaged.sim`` (guarded numpy); cupy installed
+    but unusable warns (GpuUnavailableWarning: cause, driver, extra to install) before the sim."""
+    from cupaged import sim
+
+    return gpu_module() or sim
+
+
+def resolve_array_module(xp, name="xp"):
+    """What KVCache and BatchPlan allocate with: ``None`` -> the default; numpy or ``cupaged.sim`` ->
+    ``cupaged.sim``; cupy -> cupy."""
+    from cupaged import sim
+
+    if xp is None:
+        return default_array_module()
+    if xp is np or xp is sim:
+        return sim
+    if xp is _cupy():
+        return xp
+    raise TypeError(f"{name} must be None, numpy, cupaged.sim or cupy, got {xp!r}")
+
+
 def host_copy(a) -> np.ndarray:
-    """A numpy copy of a numpy or cupy array (only for validate=True content checks and host plans).
+    """A numpy copy of a numpy or cupy array (for validate=True content checks, host plans and results read back).
     Reading a device array back cannot be captured: during CUDA graph capture it is a RuntimeError."""
     if not is_device_array(a):
         return np.asarray(a)
@@ -124,113 +176,6 @@ def struct_arg(value: np.ndarray, xp):
     from cupy.cuda.function import CPointer
 
     return CPointer(value.ctypes.data)
-
-
-class GpuUnavailableWarning(RuntimeWarning):
-    """CuPy is installed but cannot use the GPU: the caller falls back to the sim."""
-
-
-class GpuUnavailableError(RuntimeError):
-    """CuPy is installed but cannot use the GPU, and the caller needs it (selftest --backend cuda)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuProbe:
-    """What ``probe_gpu`` found. ``state``: "gpu" (``cupy`` is usable), "absent" (no cupy),
-    "no_device" (cupy sees zero devices) or "unusable" (cupy installed but broken: ``cause``).
-    ``driver_version``: cudaDriverGetVersion's number (12040 for 12.4), None when unreadable."""
-
-    state: str
-    cupy: object = None
-    cause: str | None = None
-    driver_version: int | None = None
-
-    @property
-    def unusable(self) -> bool:
-        return self.state == "unusable"
-
-    def message(self) -> str:
-        """One paragraph: the cause, the driver version, which cupaged extra to install."""
-        if self.state == "gpu":
-            return "cupy sees a GPU"
-        if self.state == "absent":
-            return "cupy is not installed: install cupaged[cuda12] (driver < r580) or cupaged[cuda13] (driver r580+)"
-        if self.state == "no_device":
-            return "cupy is installed but sees no CUDA device"
-        return (f"cupy is installed but cannot use the GPU: {self.cause}; NVIDIA driver: {_driver_text(self.driver_version)}; "
-                f"{_extra_advice(self.driver_version)}")
-
-
-def _driver_text(version: int | None) -> str:
-    if version is None:
-        return "version unreadable"
-    if version == 0:
-        return "none found"
-    return f"CUDA {version // 1000}.{version % 1000 // 10}"
-
-
-def _extra_advice(version: int | None) -> str:
-    if version and version < 13000:  # r580 is the first driver for CUDA 13
-        return ("this driver is older than r580 (CUDA 13): install cupaged[cuda12] (cupy-cuda12x) in place of "
-                "cupy-cuda13x, or update the driver to r580+ for cupaged[cuda13]")
-    if version and version >= 13000:
-        return "the driver supports CUDA 13: install cupaged[cuda13] (cupy-cuda13x)"
-    return ("install cupaged[cuda12] (cupy-cuda12x) for a driver older than r580, cupaged[cuda13] (cupy-cuda13x) for "
-            "r580+; check the driver with nvidia-smi")
-
-
-def _driver_version(cupy) -> int | None:
-    try:
-        return int(cupy.cuda.runtime.driverGetVersion())
-    except Exception:  # the version only decorates the message: any failure reads as unknown
-        return None
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-@functools.lru_cache(maxsize=None)
-def probe_gpu() -> GpuProbe:
-    """The one GPU probe (memoized): no cupy or zero devices mean the sim, silently; cupy installed
-    but unusable (an import error inside cupy, a CUDA runtime error such as cudaErrorInsufficientDriver
-    on a driver older than the wheel's CUDA) is ``unusable``, with its cause, for each caller to
-    report: a warning and the sim (``gpu_module``), or an error (selftest/tests ``--backend cuda``)."""
-    try:
-        import cupy
-    except ModuleNotFoundError as e:
-        if e.name == "cupy":
-            return GpuProbe("absent")
-        return GpuProbe("unusable", cause=f"importing cupy failed: {_describe(e)}")
-    except Exception as e:  # a broken install: missing libcudart, an ABI mismatch, ...
-        return GpuProbe("unusable", cause=f"importing cupy failed: {_describe(e)}")
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        if "cudaErrorNoDevice" in str(e):
-            return GpuProbe("no_device", driver_version=_driver_version(cupy))
-        return GpuProbe("unusable", cause=f"cupy.cuda.runtime.getDeviceCount() raised {_describe(e)}",
-                        driver_version=_driver_version(cupy))
-    if count <= 0:
-        return GpuProbe("no_device", driver_version=_driver_version(cupy))
-    return GpuProbe("gpu", cupy=cupy, driver_version=_driver_version(cupy))
-
-
-def gpu_module():
-    """cupy when it imports and sees a device, else None (the sim). No cupy or no device is silent;
-    cupy installed but unusable warns with GpuUnavailableWarning (cause, driver, extra) and falls back."""
-    probe = probe_gpu()
-    if probe.unusable:
-        warnings.warn(probe.message() + " -- running on the sim", GpuUnavailableWarning, stacklevel=2)
-    return probe.cupy
-
-
-def require_gpu():
-    """cupy, or GpuUnavailableError saying why not (for callers that must not fall back to the sim)."""
-    probe = probe_gpu()
-    if probe.cupy is None:
-        raise GpuUnavailableError(probe.message())
-    return probe.cupy
 
 
 def sm_count(xp) -> int:

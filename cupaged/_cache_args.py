@@ -7,7 +7,8 @@ import numbers
 
 import numpy as np
 
-from cupaged._backend import array_kind, array_module, host_copy, module_of, upload
+from cupaged._backend import (array_kind, array_module, host_copy, is_device_array, is_host_array, module_of, on_sim,
+                              upload)
 from cupaged._checks import (CTYPE, FLOAT_DTYPES, address, check_choice, check_dtype, check_ndim, float32_value,
                              validate_enabled)
 
@@ -56,8 +57,7 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     if kv_cache_dtype == "auto" and type(scale) in (float, int):  # the common call, without the checks below
         return _NO_SCALE
     number = isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_))
-    module = array_kind(scale)
-    if not number and module is None:
+    if not number and array_kind(scale) is None:
         raise TypeError(f"{name} must be a float or a float32 array, got {type(scale).__name__} {scale!r}")
     if kv_cache_dtype == "auto":
         return _NO_SCALE
@@ -72,12 +72,13 @@ def scale_args(name: str, scale, xp, kv_cache_dtype: str, num_kv_heads: int | No
     if scale.ndim > 1 or scale.size not in allowed:
         what = "1 value" if num_kv_heads is None else f"1 or num_kv_heads={num_kv_heads} values"
         raise ValueError(f"{name} must hold {what}, got shape {tuple(scale.shape)}")
-    if module == "cupy" and xp is np:
-        raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
-    if module == "numpy" and xp is not np:
-        scale = upload(xp, scale, name)
-    elif module == "numpy":
+    if is_device_array(scale):
+        if on_sim(xp):
+            raise TypeError(f"{name} is a cupy array but the data arrays are numpy (sim backend)")
+    elif on_sim(xp):
         scale = np.ascontiguousarray(scale)
+    else:
+        scale = upload(xp, scale, name)
     return scale.reshape(-1), np.float32(1.0), np.int32(scale.size > 1)
 
 
@@ -141,7 +142,7 @@ def check_block_mapping(block_mapping, xp, bounds, validate, *, parallel=False):
     check_dtype("block_mapping", block_mapping, (np.int64,))
     if block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [num_pairs, 2], got shape {tuple(block_mapping.shape)}")
-    host, validating = isinstance(block_mapping, np.ndarray), validate_enabled(validate)
+    host, validating = is_host_array(block_mapping), validate_enabled(validate)
     if block_mapping.shape[0] and (host or validating):
         ids = host_copy(block_mapping)
         src_max, dst_max = ids.max(axis=0)
@@ -156,7 +157,7 @@ def check_block_mapping(block_mapping, xp, bounds, validate, *, parallel=False):
                                          f"{name}'s {n} blocks")
         if parallel and validating:
             _check_no_race(ids)
-    if host and xp is not np:
+    if host and not on_sim(xp):
         return xp.asarray(np.ascontiguousarray(block_mapping))
     return module_of(block_mapping).ascontiguousarray(block_mapping)
 
@@ -195,7 +196,7 @@ def check_no_overlap(written, read=()) -> None:
     KV tensor, the slices of a fused QKV buffer. Reads shapes, strides and addresses, never contents."""
     others = (*written, *read)
     for i, (name, a) in enumerate(written):
-        host = isinstance(a, np.ndarray)
+        host = is_host_array(a)
         for j in range(i + 1, len(others)):
             b = others[j][1]
             if np.may_share_memory(a, b) if host else module_of(a).may_share_memory(a, b):

@@ -12,7 +12,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
-from cupaged._backend import is_device_array
+from cupaged._backend import is_device_array, is_host_array
 
 __all__ = ["CTYPE", "FLOAT_DTYPES", "check_ndim", "check_dtype", "check_last_contiguous",
            "element_strides", "int64s", "address", "validate_enabled", "check_choice", "check_int", "check_optional_int",
@@ -38,7 +38,7 @@ def float_dtype(name: str, value) -> np.dtype:
 
 def check_array(name: str, a) -> None:
     """A numpy or cupy array: anything else (None, a list) is a TypeError naming ``name``."""
-    if not isinstance(a, np.ndarray) and not is_device_array(a):
+    if not is_host_array(a) and not is_device_array(a):
         raise TypeError(f"{name} must be a numpy or cupy array, got {type(a).__name__}")
 
 
@@ -90,7 +90,7 @@ def int64s(values: tuple) -> tuple:
 
 def address(a) -> int:
     """Device or host address of the first element (numpy or cupy)."""
-    if isinstance(a, np.ndarray):
+    if is_host_array(a):
         return a.__array_interface__["data"][0]
     return a.data.ptr
 
@@ -155,5 +155,5 @@ def float32_value(value: float) -> float:
 
 def check_writable(name: str, a) -> None:
     """An array the op writes must not be a read-only numpy view (it would silently stay unwritten)."""
-    if a is not None and isinstance(a, np.ndarray) and not a.flags.writeable:
+    if is_host_array(a) and not a.flags.writeable:
         raise ValueError(f"{name} is read-only, but the op writes it: pass a writable array")

@@ -19,9 +19,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
-import sys
 
 import numpy as np
+
+from cupaged._backend import array_kind
 
 __all__ = ["accepts_foreign_arrays", "as_native", "passes_as_is"]
 
@@ -30,13 +31,11 @@ _PLAIN_TYPES = {np.ndarray, type(None), type, bool, int, float, str}  # grows wi
 
 
 def _cupy(name: str, what: str):
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        try:
-            import cupy
-        except Exception as e:
-            raise TypeError(f"{name} is a GPU array ({what}) but cupy cannot be imported ({type(e).__name__}: {e}): "
-                            "install cupaged[cuda12] or cupaged[cuda13]") from e
+    try:
+        import cupy
+    except Exception as e:
+        raise TypeError(f"{name} is a GPU array ({what}) but cupy cannot be imported ({type(e).__name__}: {e}): "
+                        "install cupaged[cuda12] or cupaged[cuda13]") from e
     return cupy
 
 
@@ -57,8 +56,7 @@ def as_native(name: str, a):
         return a
     if t in (list, tuple):
         return t(as_native(f"{name}[{i}]", x) for i, x in enumerate(a))
-    cupy = sys.modules.get("cupy")
-    if isinstance(a, (np.ndarray, np.generic)) or (cupy is not None and isinstance(a, cupy.ndarray)):
+    if array_kind(a) is not None:
         _PLAIN_TYPES.add(t)  # numpy and cupy arrays (subclasses too) and numpy scalars
         return a
     try:

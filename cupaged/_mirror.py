@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from cupaged.sim._params import strip_comments
+from cupaged._source import strip_comments
 
 __all__ = ["constants", "struct_dtype"]
 

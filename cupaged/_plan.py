@@ -1,23 +1,26 @@
-"""``AttentionPlan``: the schedule of one attention batch, made here from shapes and hints (:func:`make_plan`: tiles,
-splits, partial buffers, grid; cupaged/attention.py checks the arguments and runs it), and the split partials'
-workspace: its size and how a caller's uint8 workspace is carved into them."""
+"""``AttentionPlan``: the schedule of one attention batch, made here from shapes and hints (:func:`make_plan`,
+memoized on a :class:`PlanKey`: the kernels' launches, splits, partial buffers; cupaged/attention.py checks the
+arguments and runs it), and the split partials' workspace: its size and how a caller's uint8 workspace is carved into
+them. :func:`split_for` chooses the split size and :func:`split_count` counts the splits: Python's one owner of both."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from cupaged._attention_kernels import (ALL_ROWS, HEAD_BUCKETS, MLA_BUCKET, decode_route, kernel_constants,
-                                       prefill_route, reduce_kernel, resident_ctas)
+from cupaged._attention_kernels import ALL_ROWS, decode_route, merge_launch, prefill_route
 from cupaged._cache_args import KV_CODE
 from cupaged._checks import CTYPE, address, check_array, check_int, check_writable
 from cupaged._interop import passes_as_is
 from cupaged._kv_view import kv_key
+from cupaged._launch import Launch
 
-__all__ = ["AttentionPlan", "workspace_bytes", "check_workspace", "carve_workspace", "make_plan", "MIN_SPLIT"]
+__all__ = ["AttentionPlan", "PlanKey", "workspace_bytes", "check_workspace", "carve_workspace", "make_plan",
+           "split_count", "MIN_SPLIT"]
 
 
 @passes_as_is
@@ -35,42 +38,26 @@ class AttentionPlan:
     v_head_size: int
     dtype: str                 # q's C type
     kv: str                    # the K/V kind and cache dtype the plan was made for
-    tiles: int                 # paged_prefill_kernel's CTAs along a sequence's (token, head) rows (0: no prefill)
     kv_split_size: int         # keys per split (0: one pass)
     max_splits: int            # the depth of the partial buffers
     always_partials: bool      # vLLM v2: every sequence writes partials, even with one split
-    grid: tuple
-    threads: int
-    shared_mem: int
-    kernel: str | None         # name expressions; kernel (the prefill kernel) None: the decode kernel takes every row
-    reduce_kernel: str | None
-    decode_kernel: str | None = None  # a decode kernel for sequences with q_len <= decode_max_q
-    decode_grid: tuple = ()
-    decode_threads: int = 0
-    decode_shared_mem: int = 0
-    decode_tiles: int = 0      # the decode grid's row tiles of 4 or 8 rows (the kernel's ROWS)
-    decode_max_q: int = 0      # 0: no decode kernel; ALL_ROWS: it takes every sequence
-    decode_layout: str | None = None  # the KvView.decode_layout the decode kernel reads
+    # The main kernels in launch order: paged_prefill_kernel for long query runs when the plan has one (the op's
+    # declared cost goes with the first: the bulk of a prefill), then the decode kernel for the short ones.
+    launches: tuple[Launch, ...]
+    merge: Launch | None       # the split merge (None: no sequence is split)
+    # The kernels' run-time parameters (PaParams): each grid's x is its row tiles x max_splits
+    tiles: int                 # paged_prefill_kernel's row tiles of a sequence (0 without a prefill kernel)
+    decode_tiles: int          # the decode kernel's row tiles (4 or 8 rows: its ROWS; MLA: head tiles x queries)
+    decode_max_q: int          # the longest run the decode kernel takes (ALL_ROWS: every run)
+    decode_layout: str         # the KvView.decode_layout the decode kernel reads
 
     @property
     def partial_shapes(self):
         """(max_logits, exp_sums, tmp_output) shapes, or None when the plan needs no partials."""
-        if self.reduce_kernel is None and not self.always_partials:
+        if self.merge is None and not self.always_partials:
             return None
         rows = (self.num_tokens, self.num_heads, self.max_splits)
         return rows, rows, (*rows, self.v_head_size)
-
-    @property
-    def main_launches(self):
-        """(kernel, grid, threads, shared_mem) of the main kernels, in launch order: paged_prefill_kernel
-        for long query runs (the op's declared cost goes with the first: the bulk of a prefill), then the
-        decode kernel for the short ones."""
-        launches = []
-        if self.kernel is not None:
-            launches.append((self.kernel, self.grid, self.threads, self.shared_mem))
-        if self.decode_kernel is not None:
-            launches.append((self.decode_kernel, self.decode_grid, self.decode_threads, self.decode_shared_mem))
-        return launches
 
     @property
     def workspace_bytes(self) -> int:
@@ -140,7 +127,7 @@ def split_for(sms: int, per_sm: int, ctas: int, max_kv: int) -> int:
     fewest = math.ceil(2 * wave / ctas)
 
     def fill(splits):  # the grid's CTAs over the waves they take
-        n = ctas * math.ceil(max_kv / max(MIN_SPLIT, math.ceil(max_kv / splits)))
+        n = ctas * split_count(max_kv, max(MIN_SPLIT, math.ceil(max_kv / splits)))
         return n / (math.ceil(n / wave) * wave)
 
     candidates = range(fewest, 2 * fewest + 1)
@@ -149,53 +136,108 @@ def split_for(sms: int, per_sm: int, ctas: int, max_kv: int) -> int:
     return 0 if size >= max_kv else size
 
 
+def split_count(max_kv: int, kv_split_size: int) -> int:
+    """Splits of ``kv_split_size`` keys that cover ``max_kv`` keys (0 for none): the partial buffers' depth, vLLM's
+    max_num_partitions."""
+    return -(-max_kv // kv_split_size)
+
+
+class PlanKey(NamedTuple):
+    """What a plan depends on, and all it depends on (make_plan is memoized on it): the shapes of q and the index
+    arrays, what the plan reads of the K/V, the caller's hints and split options, and the device. A named tuple:
+    built and hashed on every op call, at a fraction of a frozen dataclass's cost."""
+
+    q_shape: tuple             # (num_tokens, num_heads, head_size)
+    q_dtype: np.dtype
+    kind: str                  # KvView.kind
+    kv_cache_dtype: str
+    num_kv_heads: int
+    v_head_size: int
+    block_size: int
+    table_width: int | None    # block_tables' columns (None: dense K/V rows)
+    index_len: int             # seq_lens' length (dense rows: cu_seqlens_k's)
+    decode: bool               # no query_start_loc: one query a sequence
+    max_query_len: int | None  # the hints (None: sized from the shapes)
+    max_seq_len: int | None
+    kv_split_size: int | None  # None: split_for chooses
+    max_splits: int | None     # None: the splits of the longest context
+    always_partials: bool
+    sms: int                   # the device's SMs
+    sm_shared: int             # and shared memory an SM
+    decode_layout: str         # KvView.decode_layout
+    prefill_rows: bool         # KvView.prefill_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q_shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_shape[1]
+
+    @property
+    def head_size(self) -> int:
+        return self.q_shape[2]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.index_len - (1 if self.table_width is None else 0)
+
+    @property
+    def group(self) -> int:
+        """Query heads a kv head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def max_q(self) -> int:
+        """The longest query run the grid is sized for."""
+        return 1 if self.decode else min(self.max_query_len or self.num_tokens, self.num_tokens)
+
+    @property
+    def max_kv(self) -> int:
+        """The longest context the grid is sized for (0: dense rows without a hint, one pass)."""
+        return self.max_seq_len or (self.table_width * self.block_size if self.table_width is not None else 0)
+
+    @property
+    def ctype(self) -> str:
+        return CTYPE[self.q_dtype]
+
+    @property
+    def kv_code(self) -> str:
+        return KV_CODE[self.kv_cache_dtype]
+
+    @property
+    def cache_itemsize(self) -> int:
+        return self.q_dtype.itemsize if self.kv_cache_dtype == "auto" else 1
+
+
+def _over_splits(launch: Launch, splits: int) -> Launch:
+    """``launch`` with its grid's x repeated for each KV split (a kernel's CTA x is split x row tiles + row tile)."""
+    x, y, z = launch.grid
+    return Launch(launch.kernel, (x * splits, y, z), launch.block, launch.shared_mem)
+
+
 @functools.lru_cache(maxsize=1024)
-def make_plan(q_shape, q_dtype, kind, kv_cache_dtype, num_kv_heads, v_head_size, block_size, table_width, index_len,
-              decode, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials, device,
-              decode_layout, prefill_rows) -> AttentionPlan:
-    """The plan of checked arguments (plan_attention's), memoized on them: a batch shape seen before costs a lookup."""
-    num_tokens, num_heads, head_size = q_shape
-    dense = table_width is None
-    num_seqs = index_len - (1 if dense else 0)
-    consts = kernel_constants()
-    group = num_heads // num_kv_heads
-    max_q = 1 if decode else min(max_query_len or num_tokens, num_tokens)
-    t, kv = CTYPE[q_dtype], KV_CODE[kv_cache_dtype]
-    shared = kind == "mla"
-    hd = MLA_BUCKET[0] if shared else next((b for b in HEAD_BUCKETS if b >= max(head_size, v_head_size)), None)
-    if hd is None:
-        raise NotImplementedError(f"head_size={max(head_size, v_head_size)}: at most {HEAD_BUCKETS[-1]} is supported")
-    cache_itemsize = q_dtype.itemsize if kv_cache_dtype == "auto" else 1
-    sms, sm_shared = device
-    # A decode kernel takes the short query runs, or every run (decode_max_q ALL_ROWS: float32, vLLM's layout, MLA,
-    # or a hint saying every run is short); the tensor-core prefill kernel takes the longer ones.
-    route = decode_route(kind, q_dtype, t, kv, num_heads, group, max_q, hd, cache_itemsize, decode_layout, sm_shared)
-    if route is None:
-        raise NotImplementedError(f"q dtype {q_dtype}: attention over an MLA latent cache takes float16 or bfloat16 q "
-                                  f"(mla_decode_kernel runs on tensor cores)")
-    decode_kernel, decode_max_q, decode_tiles, decode_threads, decode_smem = route
-    decode_regs = 255 if kind == "mla" else 128  # the kernels' __launch_bounds__
-    prefill = None if decode_max_q == ALL_ROWS else prefill_route(kind, q_dtype, t, kv, head_size, v_head_size,
-                                                                  prefill_rows)
-    assert decode_max_q == ALL_ROWS or prefill, "a run no kernel takes"  # 16-bit q over rows: the prefill kernel's
-    tiles = -(-max_q * group // prefill[2]) if prefill else 0
-    max_kv = max_seq_len or (table_width * block_size if not dense else 0)
-    if prefill:  # its CTAs do the bulk of the work: its occupancy (255 registers, its shared memory)
-        ctas, per_sm = num_seqs * num_kv_heads * tiles, resident_ctas(consts["PD_THREADS"], prefill[1], sm_shared, 255)
-    else:  # the decode kernel alone: its occupancy (its registers and shared memory)
-        ctas = num_seqs * num_kv_heads * decode_tiles
-        per_sm = resident_ctas(decode_threads, decode_smem, sm_shared, decode_regs)
-    split = split_for(sms, per_sm, ctas, max_kv) if kv_split_size is None else kv_split_size
+def make_plan(key: PlanKey) -> AttentionPlan:
+    """The plan of checked arguments (plan_attention's), memoized on them: a batch shape seen before costs a lookup.
+    A decode kernel takes the short query runs, or every run (decode_max_q ALL_ROWS: float32, vLLM's layout, MLA, or
+    a hint saying every run is short); the tensor-core prefill kernel takes the longer ones."""
+    decode = decode_route(key)
+    prefill = None if decode.max_q == ALL_ROWS else prefill_route(key)
+    assert decode.max_q == ALL_ROWS or prefill, "a run no kernel takes"  # 16-bit q over rows: the prefill kernel's
+    main = prefill or decode  # its CTAs do the bulk of the work: its occupancy is what a split fills
+    split = key.kv_split_size
+    if split is None:
+        split = split_for(key.sms, main.per_sm, math.prod(main.launch.grid), key.max_kv)
+    max_splits = key.max_splits
     if max_splits is None:
-        max_splits = max(1, -(-max_kv // split)) if split else 1
+        max_splits = max(1, split_count(key.max_kv, split)) if split else 1
     split = split if max_splits > 1 else 0
     return AttentionPlan(
-        op="mla_decode" if shared else "decode" if decode else "prefill", num_tokens=num_tokens, num_heads=num_heads,
-        num_seqs=num_seqs, num_kv_heads=num_kv_heads, head_size=head_size, v_head_size=v_head_size, dtype=t,
-        kv=kv_key(kind, kv_cache_dtype, block_size), tiles=tiles, kv_split_size=split, max_splits=max_splits,
-        always_partials=always_partials, grid=(tiles * max_splits, num_kv_heads, num_seqs),
-        threads=consts["PA_THREADS"], shared_mem=prefill[1] if prefill else 0, kernel=prefill[0] if prefill else None,
-        reduce_kernel=reduce_kernel(t) if max_splits > 1 and split > 0 else None,
-        decode_kernel=decode_kernel, decode_threads=decode_threads, decode_shared_mem=decode_smem,
-        decode_grid=(decode_tiles * max_splits, num_kv_heads, num_seqs) if decode_kernel else (),
-        decode_tiles=decode_tiles, decode_max_q=decode_max_q, decode_layout=decode_layout if decode_kernel else None)
+        op="mla_decode" if key.kind == "mla" else "decode" if key.decode else "prefill", num_tokens=key.num_tokens,
+        num_heads=key.num_heads, num_seqs=key.num_seqs, num_kv_heads=key.num_kv_heads, head_size=key.head_size,
+        v_head_size=key.v_head_size, dtype=key.ctype, kv=kv_key(key.kind, key.kv_cache_dtype, key.block_size),
+        kv_split_size=split, max_splits=max_splits, always_partials=key.always_partials,
+        launches=tuple(_over_splits(route.launch, max_splits) for route in (prefill, decode) if route),
+        merge=merge_launch(key) if split > 0 else None, tiles=prefill.launch.grid[0] if prefill else 0,
+        decode_tiles=decode.launch.grid[0], decode_max_q=decode.max_q, decode_layout=key.decode_layout)

@@ -9,24 +9,23 @@ family in one module, memoized per (source, options, build mode). Both launchers
 convention ``kernel(grid, block, args, shared_mem=n)``; launches go to CuPy's current stream and
 never synchronize.
 
-A compile is announced on stderr, since the first call of a family can take a minute: the sim
-prints a line while g++ runs (a miss in its cache), the cuda path one after NVRTC took at least
-CUDA_NOTICE_S seconds (CuPy's own cache hits are fast). ``CUPAGED_QUIET=1`` silences them.
+A compile is announced on stderr (``_notice.py``), since the first call of a family can take a
+minute: the sim prints a line while g++ runs (a miss in its cache), the cuda path one after NVRTC
+took at least CUDA_NOTICE_S seconds (CuPy's own cache hits are fast). ``CUPAGED_QUIET=1`` silences
+them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
-import sys
 import threading
-import time
 
-import numpy as np
+from cupaged._backend import on_sim
+from cupaged._notice import compile_notice
 
-__all__ = ["KernelFamily", "families", "kernels_dir", "quiet", "compile_notice"]
+__all__ = ["KernelFamily", "families", "kernels_dir"]
 
 CUDA_NOTICE_S = 1.0
 
@@ -81,7 +80,7 @@ class KernelFamily:
 
     def function(self, name: str, xp):
         """The launchable kernel ``name`` (one of the name expressions) for array module ``xp``."""
-        if xp is np:
+        if on_sim(xp):
             from cupaged.sim import _compile
 
             key = (name, _compile.cxxflags())  # CUPAGED_SIM_FMA / _BOUNDS may change between calls (tests)
@@ -92,7 +91,7 @@ class KernelFamily:
             if name not in self.name_expressions:
                 raise KeyError(f"{name!r} is not a name expression of kernels_cu/{self.stem}.cu")
             label = f"kernels_cu/{self.stem}.cu"
-            if xp is np:  # the sim builds the family once: one g++ object serves every instantiation
+            if on_sim(xp):  # the sim builds the family once: one g++ object serves every instantiation
                 kernel = sim_module(self.source, self.options, self.name_expressions, label).get_function(name)
             else:
                 kernel = _cuda_kernel(key[1], self.source, self.options, name, label)
@@ -101,37 +100,9 @@ class KernelFamily:
 
 
 def families() -> list[KernelFamily]:
-    """Every kernel family the package ships (importing cupaged registers them all)."""
-    import cupaged  # noqa: F401  (op modules register their families on import)
-
+    """Every kernel family the package ships: its op modules register theirs when the package is
+    imported, which Python does before it imports this module."""
     return [_FAMILIES[k] for k in sorted(_FAMILIES)]
-
-
-def quiet() -> bool:
-    """True when ``CUPAGED_QUIET`` is set (to anything but 0): no notices or progress on stderr."""
-    return os.environ.get("CUPAGED_QUIET", "0") not in ("", "0")
-
-
-@contextlib.contextmanager
-def compile_notice(label: str, target: str, tool: str, count: int, min_seconds: float = 0.0):
-    """Announce a compile on stderr: ``cupaged: compiling LABEL for TARGET (TOOL, N kernels) ... 12.3 s``
-    (finished with ``failed after 3.1 s`` when it raises). With ``min_seconds`` (a compile that may
-    be a fast cache hit, like CuPy's) one line afterwards, and only when it took that long."""
-    what = f"{label} for {target} ({tool}, {count} kernel{'' if count == 1 else 's'})"
-    start = time.perf_counter()
-    if quiet() or min_seconds:
-        yield
-        took = time.perf_counter() - start
-        if min_seconds and took >= min_seconds and not quiet():
-            print(f"cupaged: compiled {what} in {took:.1f} s", file=sys.stderr, flush=True)
-        return
-    print(f"cupaged: compiling {what} ...", end="", file=sys.stderr, flush=True)
-    try:
-        yield
-    except BaseException:
-        print(f" failed after {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-        raise
-    print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def sim_module(source, options, names, label):

@@ -1,12 +1,13 @@
 """The attention engine over kernels_cu/paged_attention.cu: describe the K/V (:class:`KvView`), plan
-once per batch (:func:`plan_attention`, pure host: tiles, splits, partial buffers, grid), run every
+once per batch (:func:`plan_attention`, pure host: kernel launches, splits, partial buffers), run every
 layer with that plan (:func:`run_attention`, launches after its per-call checks). Both check their
 arguments (shapes, dtypes, flags, finite scales; never the contents of an array). Every attention op
 (paged_attention, paged_attention_v1/v2, varlen_attention, mla_decode, mla_chunked_prefill) validates
 its arguments with the same checks (cupaged/_attention_args.py), then plans (:func:`plan_checked`) and runs.
 
 The kernel's constants and its parameter struct are read from the ``.cu`` source (cupaged/_mirror.py),
-the one owner of both; cupaged/_attention_kernels.py names the kernels and their shared memory.
+the one owner of both; cupaged/_attention_kernels.py names the kernels and their shared memory, and
+cupaged/_plan.py schedules them (an AttentionPlan's launches).
 """
 
 from __future__ import annotations
@@ -19,18 +20,20 @@ import numpy as np
 from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._attention_args import (MAX_HEAD_SIZE, check_heads, check_q, check_tables, check_window, check_written,
                                     softmax_scales)
-from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, kernel_constants
-from cupaged._backend import capturing, device_shared_limit, empty, module_of, sm_count, sm_shared_bytes, struct_arg
+from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET
+from cupaged._backend import (capturing, device_shared_limit, empty, module_of, on_sim, sm_count, sm_shared_bytes,
+                              struct_arg)
 from cupaged._cache_args import kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, check_bool, check_last_contiguous, check_optional_int, element_strides
 from cupaged._cost import attention_cost
 from cupaged._kv_view import KvView
-from cupaged._plan import AttentionPlan, carve_workspace, make_plan, workspace_bytes
+from cupaged._launch import Launch
+from cupaged._plan import AttentionPlan, PlanKey, carve_workspace, make_plan, workspace_bytes
 from cupaged._interop import accepts_foreign_arrays
 from cupaged._mirror import struct_dtype
 
-__all__ = ["KvView", "AttentionPlan", "plan_attention", "run_attention", "workspace_bytes", "carve_workspace", "FAMILY",
-           "HEAD_BUCKETS", "MLA_BUCKET"]
+__all__ = ["KvView", "AttentionPlan", "Launch", "plan_attention", "run_attention", "workspace_bytes", "carve_workspace",
+           "FAMILY", "HEAD_BUCKETS", "MLA_BUCKET"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,10 +76,12 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
 def plan_checked(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None, max_seq_len=None,
                  kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
     """plan_attention of arguments the caller has checked with the same checks (the ops: validate, plan, run)."""
-    return make_plan(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads, kv.v_head_size,
-                     kv.block_size, None if block_tables is None else block_tables.shape[1], seq_lens.shape[0],
-                     query_start_loc is None, max_query_len, max_seq_len, kv_split_size, max_splits, always_partials,
-                     (sm_count(module_of(q)), sm_shared_bytes(module_of(q))), kv.decode_layout, kv.prefill_rows)
+    xp = module_of(q)
+    return make_plan(PlanKey(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads,
+                             kv.v_head_size, kv.block_size, None if block_tables is None else block_tables.shape[1],
+                             seq_lens.shape[0], query_start_loc is None, max_query_len, max_seq_len, kv_split_size,
+                             max_splits, always_partials, sm_count(xp), sm_shared_bytes(xp), kv.decode_layout,
+                             kv.prefill_rows))
 
 
 def _check_kv(kv) -> None:
@@ -109,26 +114,26 @@ def window_bounds(causal, sliding_window=None, window_size=None) -> tuple[int, i
 def check_fits(plan: AttentionPlan, limit: int, device: str = "this GPU") -> None:
     """The plan's dynamic shared memory against the device's opt-in limit per block: a clear error
     before the launch (MLA's 576/512 tiles need ~113 KB; sm_86 / sm_89 allow 99 KB)."""
-    for name, _, _, need in plan.main_launches:
-        if need > limit:
+    for launch in plan.launches:
+        if launch.shared_mem > limit:
             raise NotImplementedError(
-                f"{name} needs {need} bytes of shared memory per block; {device} allows {limit} "
+                f"{launch.kernel} needs {launch.shared_mem} bytes of shared memory per block; {device} allows {limit} "
                 f"(sm_80: 163 KB, sm_86/sm_89: 99 KB, sm_90: 227 KB): use a GPU with more shared memory per block")
 
 
 _OPTED_IN: dict = {}  # id(kernel) -> (kernel, bytes): the dynamic shared memory it was opted in for
 
 
-def _kernel(plan: AttentionPlan, name: str, shared_mem: int, xp):
+def _kernel(plan: AttentionPlan, launch: Launch, xp):
     """One of the plan's main kernels, opted in for its shared memory once (the attribute is a driver
     call on a GPU), after checking that the device can give it."""
-    kernel = FAMILY.function(name, xp)
+    kernel = FAMILY.function(launch.kernel, xp)
     opted = _OPTED_IN.get(id(kernel))
-    if opted is None or opted[1] < shared_mem:
-        if xp is not np:
+    if opted is None or opted[1] < launch.shared_mem:
+        if not on_sim(xp):
             check_fits(plan, *device_shared_limit(xp))
-        kernel.max_dynamic_shared_size_bytes = shared_mem
-        _OPTED_IN[id(kernel)] = (kernel, shared_mem)
+        kernel.max_dynamic_shared_size_bytes = launch.shared_mem
+        _OPTED_IN[id(kernel)] = (kernel, launch.shared_mem)
     return kernel
 
 
@@ -151,10 +156,10 @@ def _check_run(plan: AttentionPlan, q, kv: KvView, out, lse, partials) -> None:
         raise TypeError(f"q must be a numpy or cupy array, got {type(q).__name__}") from None
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
-    if plan.kernel is not None and not kv.prefill_rows:
+    if len(plan.launches) > 1 and not kv.prefill_rows:  # the first of two is paged_prefill_kernel
         raise ValueError("run_attention: the plan's prefill kernel reads K and V rows; this kv's values are not rows "
                          "(vLLM's layout): plan with this kv")
-    if plan.decode_kernel is not None and kv.decode_layout != plan.decode_layout:
+    if kv.decode_layout != plan.decode_layout:
         raise ValueError(f"run_attention: the plan's decode kernel reads K/V laid out as {plan.decode_layout!r}; "
                          f"this kv's are {kv.decode_layout!r}: plan with this kv")
     check_last_contiguous("q", q)
@@ -173,7 +178,7 @@ def _check_run(plan: AttentionPlan, q, kv: KvView, out, lse, partials) -> None:
 def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, seq_lens, query_start_loc=None, *,
                   scale=None, causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None,
                   softcap=None, k_scale=1.0, v_scale=1.0, partials=None, seqused_k=None):
-    """Launch ``plan`` (the main kernel, then the split merge when it splits); returns ``out``. ``lse``: float32
+    """Launch ``plan`` (its main kernels, then the split merge when it splits); returns ``out``. ``lse``: float32
     ``[num_heads, num_tokens]`` or None; ``partials``: (max_logits, exp_sums, tmp_output) of
     ``plan.partial_shapes`` (allocated when None). Visible keys: ``sliding_window`` W (the W most recent) or
     ``window_size`` (left, right) around a query's position, -1 unbounded, and causal caps the right side at 0;
@@ -233,13 +238,12 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
     args = (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, seqused_k, sinks, alibi_slopes, k_ptr, v_ptr,
             out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp))
     with op_range(plan.op, label):
-        for i, (name, grid, threads, shared_mem) in enumerate(plan.main_launches):
+        for i, launch in enumerate(plan.launches):
             with declare_launch(xp, plan.op, label, cost) if i == 0 else _OFF:  # the op's cost, declared once
-                _kernel(plan, name, shared_mem, xp)(grid, (threads,), args, shared_mem=shared_mem)
-        if plan.reduce_kernel is not None:  # sequences with one split were finished above
-            reduce = FAMILY.function(plan.reduce_kernel, xp)
-            reduce((plan.num_tokens, plan.num_heads, -(-plan.v_head_size // kernel_constants()["PA_MERGE_COLS"])),
-                   (plan.threads,),
-                   (out, lse, max_logits, exp_sums, tmp_output, seq_lens, np.int32(block_tables is None),
-                    query_start_loc, seqused_k, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
+                _kernel(plan, launch, xp)(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
+        if plan.merge is not None:  # sequences with one split were finished above
+            FAMILY.function(plan.merge.kernel, xp)(
+                plan.merge.grid, plan.merge.block,
+                (out, lse, max_logits, exp_sums, tmp_output, seq_lens, np.int32(block_tables is None), query_start_loc,
+                 seqused_k, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
     return out

@@ -16,7 +16,7 @@ from cupaged._checks import CTYPE, FLOAT_DTYPES, address, check_dtype, check_int
     check_writable, element_strides, validate_enabled
 from cupaged._cost import Cost
 from cupaged._host_transfer import swap_blocks_gpu
-from cupaged._backend import array_kind, array_module, host_copy
+from cupaged._backend import array_kind, array_module, host_copy, is_host_array
 from cupaged._mirror import constants
 from cupaged._runtime import KernelFamily
 
@@ -270,7 +270,7 @@ def swap_blocks(src, dst, block_mapping):
     check_block_mapping(pairs, np, [("src/dst", src.shape[0], dst.shape[0])], None)
     if pairs.shape[0] == 0:
         return
-    if isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+    if is_host_array(src) and is_host_array(dst):
         dst[pairs[:, 1]] = src[pairs[:, 0]]
     else:
         swap_blocks_gpu(src, dst, pairs[:, 0], pairs[:, 1])

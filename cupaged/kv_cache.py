@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged import sim
+from cupaged._backend import on_sim, resolve_array_module
 from cupaged._cache_args import cache_dtype
 from cupaged._checks import check_choice, check_int, float_dtype
-from cupaged.pool._batch_plan import resolve_array_module
 from cupaged.sim._memory import physical_memory
 
 __all__ = ["KVCache", "KVCacheTooLarge"]
@@ -77,7 +76,7 @@ class KVCache:
         self.xp = resolve_array_module(xp)
         # The sim maps its caches lazily but poisons every byte at once: past the host's memory that would
         # thrash, or get the process killed, rather than fail
-        if self.xp is sim and self.nbytes > physical_memory():
+        if on_sim(self.xp) and self.nbytes > physical_memory():
             raise KVCacheTooLarge(f"{self._needs()}, more than the host's {_size(physical_memory())} of memory the "
                                   "sim's caches live in; lower num_blocks (KVCache.num_blocks_for)")
         try:
@@ -109,7 +108,7 @@ class KVCache:
 
     def _allocate(self, shape):
         a = self.xp.empty(shape, self.cache_dtype)
-        if self.xp is not sim:
+        if not on_sim(self.xp):
             a.view(self.xp.uint8).fill(0xFF)  # the sim's guarded memory starts this way
         return a
 
@@ -161,5 +160,5 @@ class KVCache:
         return (f"KVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
                 f"dtype={self.dtype}, layout={self.layout!r}, kv_cache_dtype={self.kv_cache_dtype!r}, "
-                f"backend={'sim' if self.xp is sim else 'cuda'}, {self.nbytes / 2**20:.1f} MiB)")
+                f"backend={'sim' if on_sim(self.xp) else 'cuda'}, {self.nbytes / 2**20:.1f} MiB)")
 

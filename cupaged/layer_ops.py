@@ -9,7 +9,7 @@ import weakref
 import numpy as np
 
 from cupaged._attention_args import check_hint, validate_offsets, validate_tables
-from cupaged._backend import host_copy, module_of, upload
+from cupaged._backend import device_key, host_copy, is_host_array, module_of, on_sim, to_device
 from cupaged._cache_args import check_slots_in_pool
 
 __all__ = ["ContextCache", "linear", "rms_norm", "rope_cache", "rope_positions", "check_positions", "device_plan",
@@ -24,7 +24,7 @@ def linear(x, w):
     ``xp.matmul`` (cuBLAS on a GPU, which accumulates 16-bit inputs in float32); on numpy, and for bfloat16,
     through float32 copies (numpy has no 16-bit BLAS)."""
     xp = module_of(x)
-    if x.dtype == np.float32 or (xp is not np and x.dtype == np.float16):
+    if x.dtype == np.float32 or (not on_sim(xp) and x.dtype == np.float16):
         return xp.matmul(x, w.T)
     return xp.matmul(x.astype(np.float32), w.T.astype(np.float32)).astype(x.dtype)
 
@@ -35,10 +35,6 @@ def rms_norm(x, weight, eps: float):
     xp = module_of(x)
     inv = 1.0 / xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))
     return (x32 * inv * weight.astype(np.float32)).astype(x.dtype)
-
-
-def _xp_key(xp):
-    return "numpy" if xp is np else ("cupy", xp.cuda.Device().id)
 
 
 def rope_positions(plan, block_size: int) -> int:
@@ -62,31 +58,24 @@ def rope_cache(rope, num_positions: int, xp):
     """``rope.cos_sin_cache`` covering positions below ``num_positions``, on xp's device: grown by doubling, shared
     by every layer holding the same :class:`cupaged.RotaryEmbedding`."""
     per_xp = _ROPE_CACHES.setdefault(rope, {})
-    key = _xp_key(xp)
+    key = device_key(xp)
     have = per_xp.get(key)
     if have is None or have.shape[0] < num_positions:
         n = max(64, 1 << max(int(num_positions) - 1, 1).bit_length())
-        table = rope.cos_sin_cache(n)
-        if xp is np:
-            from cupaged import sim
-
-            have = per_xp[key] = sim.asarray(table)
-        else:
-            have = per_xp[key] = upload(xp, table, "the layer's RoPE cos / sin cache (run a step before capturing)")
+        have = per_xp[key] = to_device(xp, rope.cos_sin_cache(n),
+                                       "the layer's RoPE cos / sin cache (run a step before capturing)")
     return have
 
 
 def device_plan(plan, xp):
     """``plan`` with its arrays where the kernels read them (guarded sim memory, or the GPU), uploaded once per
     plan however many layers run it."""
-    if not isinstance(plan.seq_lens, np.ndarray):
+    if not is_host_array(plan.seq_lens):
         return plan
     per_xp = _DEVICE_PLANS.setdefault(plan, {})
-    key = _xp_key(xp)
+    key = device_key(xp)
     if key not in per_xp:
-        from cupaged import sim
-
-        per_xp[key] = plan.to_device(sim if xp is np else xp)
+        per_xp[key] = plan.to_device(xp)  # numpy: the sim's guarded memory
     return per_xp[key]
 
 
@@ -116,7 +105,7 @@ def validate_plan(plan, num_tokens: int, num_blocks: int | None = None, block_si
 def whole_sequences(plan, validate: bool) -> None:
     """"full" attention runs once over whole sequences: every sequence's new tokens are all its tokens (checked on
     a host plan, and on a device plan under validate)."""
-    if not (validate or isinstance(plan.seq_lens, np.ndarray)):
+    if not (validate or is_host_array(plan.seq_lens)):
         return
     if not np.array_equal(np.diff(host_copy(plan.query_start_loc)), host_copy(plan.seq_lens)):
         raise ValueError("attn_type='full' attends over whole sequences in one pass: every sequence of plan must "

@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from cupaged._attention_args import MAX_HEAD_SIZE, check_tables
-from cupaged._backend import array_module, module_of
+from cupaged._backend import array_module, is_host_array, module_of
 from cupaged._checks import check_bool, check_choice, check_float, check_int, float_dtype, validate_enabled
 from cupaged.attention import KvView, plan_attention, run_attention
 from cupaged.cache_ops import reshape_and_cache_flash
@@ -142,7 +142,7 @@ class Attention:
             cache = self._cache_arrays(kv_cache, layer, plan, xp)
             if validate:
                 validate_plan(plan, x.shape[0], kv_cache.num_blocks, kv_cache.block_size)
-            if self.rope is not None and (validate or isinstance(plan.positions, np.ndarray)):
+            if self.rope is not None and (validate or is_host_array(plan.positions)):
                 check_positions(plan, kv_cache.block_size)
         else:
             if self.attn_type == "cross":

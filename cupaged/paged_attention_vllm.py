@@ -12,6 +12,7 @@ from cupaged._attention_args import (check_head_vector, check_heads, check_out, 
 from cupaged._cache_args import check_scale_values
 from cupaged._checks import check_dtype, check_int, check_ndim, check_writable, validate_enabled
 from cupaged._backend import array_module
+from cupaged._plan import split_count
 from cupaged.attention import KvView, plan_checked, run_attention
 
 __all__ = ["paged_attention_v1", "paged_attention_v2", "PARTITION_SIZE"]
@@ -97,7 +98,7 @@ def paged_attention_v2(out, exp_sums, max_logits, tmp_output, query, key_cache, 
         check_ndim(name, a, 3, "[num_seqs, num_heads, max_num_partitions]")
         check_dtype(name, a, (np.float32,))
     partitions = exp_sums.shape[2]
-    need = -(-max_seq_len // PARTITION_SIZE)
+    need = split_count(max_seq_len, PARTITION_SIZE)
     for name, a, shape in (("exp_sums", exp_sums, (num_seqs, num_heads, partitions)),
                            ("max_logits", max_logits, (num_seqs, num_heads, partitions)),
                            ("tmp_output", tmp_output, (num_seqs, num_heads, partitions, head_size))):

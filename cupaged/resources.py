@@ -11,10 +11,8 @@ by the source, options, name expressions, arch, NVRTC and its headers, and the c
 parser and record format); ``--no-cache`` recompiles and stores fresh results.
 Compile errors are never cached.
 
-The numbers are ptxas's own: NVRTC 13 passes ``-Xptxas=-v`` through and ptxas's verbose report
-lands in the program log. (The cubin's ``.nv.info.<kernel>`` sections carry the register count but
-no spill counts, so the log is the only real source for those.) ptxas lists, after each entry
-function, the non-inlined device functions it calls; their spills are charged to that kernel.
+The numbers are ptxas's own, read from its verbose report (``cupaged/_resource_cache.py``
+says how; a kernel's spills include those of the non-inlined device functions it calls).
 
 NVRTC serializes compiles inside one process, so (family, arch) pairs run in worker processes.
 """
@@ -25,70 +23,17 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import os
-import re
 import sys
 import time
 
-from cupaged._nvrtc import NvrtcError, compile_cubin
-from cupaged._resource_cache import KernelResources, cache_path, load, store
-from cupaged._runtime import quiet
+from cupaged._notice import quiet
+from cupaged._nvrtc import NvrtcError
+from cupaged._resource_cache import KernelResources, cache_path, compile_resources, load, store
 
 __all__ = ["ARCHS", "KernelResources", "compile_resources", "compile_families",
            "kernel_resources", "run_gate", "main"]
 
 ARCHS = ("sm_80", "sm_90")
-
-_ENTRY = re.compile(r"^ptxas info\s*: Compiling entry function '([^']+)' for '(\w+)'", re.M)
-_PROPERTIES = re.compile(r"Function properties for (\S+)\s*\n\s*ptxas\s*\.\s*(\d+) bytes stack frame, "
-                         r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_REGISTERS = re.compile(r"Used (\d+) registers")
-_SHARED = re.compile(r"(\d+) bytes smem")
-_CUMULATIVE_STACK = re.compile(r"(\d+) bytes cumulative stack size")
-
-
-def _parse_ptxas_log(log: str, arch: str) -> dict[str, tuple[int, int, int, int, int]]:
-    """mangled kernel name -> (registers, spill stores, spill loads, static smem, stack)."""
-    parts = _ENTRY.split(log)
-    stats = {}
-    for name, entry_arch, block in zip(parts[1::3], parts[2::3], parts[3::3]):
-        if entry_arch != arch:
-            raise RuntimeError(f"ptxas compiled {name} for {entry_arch}, expected {arch}")
-        functions = {fn: tuple(map(int, rest)) for fn, *rest in _PROPERTIES.findall(block)}
-        registers = _REGISTERS.search(block)
-        if name not in functions or registers is None:
-            raise RuntimeError(f"cannot parse the ptxas report for {name} ({arch}):\n{block}")
-        shared = _SHARED.search(block)
-        stack = _CUMULATIVE_STACK.search(block)
-        stats[name] = (
-            int(registers.group(1)),
-            sum(f[1] for f in functions.values()),
-            sum(f[2] for f in functions.values()),
-            int(shared.group(1)) if shared else 0,  # sm_90's report omits a zero smem
-            int(stack.group(1)) if stack else functions[name][0],
-        )
-    return stats
-
-
-def compile_resources(source: str, name_expressions, arch: str, options=("-std=c++17",),
-                      family: str = "source") -> list[KernelResources]:
-    """Compile ``source`` for ``arch`` and return ptxas's statistics for every kernel in it.
-
-    Kernels named by ``name_expressions`` come first, in that order. Raises
-    :class:`~cupaged._nvrtc.NvrtcError` (with the log) when the source does not compile.
-    """
-    names = tuple(name_expressions)
-    program = compile_cubin(source, arch=arch, options=(*options, "-Xptxas=-v"),
-                            name_expressions=names, filename=f"{family}.cu")
-    stats = _parse_ptxas_log(program.log, arch)
-    missing = [n for n, m in program.lowered_names.items() if m not in stats]
-    if missing:
-        raise RuntimeError(f"ptxas reported nothing for {missing} ({arch}); log:\n{program.log}")
-    by_mangled = {m: n for n, m in program.lowered_names.items()}
-    order = {n: i for i, n in enumerate(names)}
-    records = [KernelResources(family, by_mangled.get(m, m), arch, *s, mangled_name=m)
-               for m, s in stats.items()]
-    return sorted(records, key=lambda r: (order.get(r.name_expression, len(order)), r.name_expression))
-
 
 def _task(stem, source, names, options, arch):
     """One (family, arch) compile in a worker: (records or the compile error, seconds)."""

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from cupaged._annotate import op_launch
-from cupaged._backend import host_copy, module_of, struct_arg, upload
+from cupaged._backend import device_key, host_copy, module_of, struct_arg, to_device
 from cupaged._cache_args import (KV_CODE, KV_KINDS, SLOT_DTYPES, check_no_overlap, check_slot_mapping, kv_dtype_name,
                                  op_array_module)
 from cupaged._checks import (CTYPE, FLOAT_DTYPES, address, check_bool, check_dtype, check_float, check_int,
@@ -121,7 +121,7 @@ class RotaryEmbedding:
         self.is_neox_style = check_bool("is_neox_style", is_neox_style)
         self.scaling = _check_scaling(scaling)
         self.inv_freq = inv_freq(self.rotary_dim, self.rope_theta, self.scaling)  # float64 [rotary_dim / 2]
-        self._device_freq: dict = {}  # the array module (and device) -> inv_freq there
+        self._device_freq: dict = {}  # device_key(xp) -> inv_freq where that backend's kernels read it
 
     def cos_sin_cache(self, max_position) -> np.ndarray:
         """float32 ``[max_position, rotary_dim]``: the cosines of the rotary_dim / 2 frequencies at each position,
@@ -140,10 +140,11 @@ class RotaryEmbedding:
         check_no_overlap((("q", q), ("k", k)))
         if q.shape[0] == 0:
             return q, k
-        key = id(xp) if xp is np else (id(xp), xp.cuda.Device().id)
+        key = device_key(xp)
         freq = self._device_freq.get(key)
         if freq is None:
-            freq = self._device_freq[key] = _to_xp(xp, self.inv_freq)
+            freq = self._device_freq[key] = to_device(xp, self.inv_freq, "RotaryEmbedding's frequencies (call it "
+                                                      "once before capturing a CUDA graph)")
         p = _params(q, k, None, self.rotary_dim, self.is_neox_style)
         vec = _vec((q, k), (*element_strides("q", q)[:2], *element_strides("k", k)[:2]), q.itemsize,
                    self.rotary_dim // 2)
@@ -152,15 +153,6 @@ class RotaryEmbedding:
                        f"rot={self.rotary_dim}", lambda: _rope_cost(q, k, positions)):
             kernel((q.shape[0],), (_threads(),), (positions, q, k, None, freq, struct_arg(p, xp)))
         return q, k
-
-
-def _to_xp(xp, a):
-    """The frequencies where the kernel reads them: guarded sim memory, or uploaded once (not while capturing)."""
-    if xp is np:
-        from cupaged import sim
-
-        return sim.asarray(a)
-    return upload(xp, a, "RotaryEmbedding's frequencies (call it once before capturing a CUDA graph)")
 
 
 def _check_qk(q, k, positions, head_size, rotary_dim=None):

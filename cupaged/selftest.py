@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from cupaged import reference
-from cupaged._backend import GpuUnavailableError, gpu_module, host_copy, require_gpu
+from cupaged._backend import GpuUnavailableError, gpu_module, host_copy, is_host_array, require_gpu
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_decode
 from cupaged.paged_attention import paged_attention
@@ -165,7 +165,7 @@ def _attention(dtype, kv_cache_dtype="auto", heads=(8, 2), **options):
         split = opts.pop("kv_split_size", None)
         if opts.pop("sinks", False):
             opts["sinks"] = rng.uniform(0, 2, heads[0]).astype(np.float32)
-        dev_opts = {k: asarray(x) if isinstance(x, np.ndarray) else x for k, x in opts.items()}
+        dev_opts = {k: asarray(x) if is_host_array(x) else x for k, x in opts.items()}
         out, lse = paged_attention(asarray(q), asarray(k), asarray(v), asarray(table), asarray(seq_lens), asarray(qsl),
                                    kv_cache_dtype=kv_cache_dtype, k_scale=scale, v_scale=scale, return_lse=True,
                                    kv_split_size=split, **dev_opts)

@@ -18,7 +18,8 @@ import os
 import sys
 
 from cupaged._cost import Cost
-from cupaged.sim import _launch_model, profile
+from cupaged.sim import profile
+from cupaged.sim.profiler import _launch_model
 from cupaged.sim.model import H200
 
 ROW_KEYS = ("op", "batch", "context", "q_len", "num_heads", "num_kv_heads", "head_size", "kv_dtype", "causal",

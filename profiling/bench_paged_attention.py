@@ -32,6 +32,7 @@ import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
 from cupaged._attention_kernels import prefill_shape  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
+from cupaged._plan import split_count  # noqa: E402
 from cupaged.paged_attention import workspace_bytes  # noqa: E402
 
 KV_HEADS, HEAD, BLOCK = 8, 128, 16
@@ -74,7 +75,7 @@ def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, he
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)  # not kv: its host copy goes
     scales = dict(k_scale=kv.k_scale, v_scale=kv.v_scale)
     if workspace:
-        splits = -(-context // kv_split_size)
+        splits = split_count(context, kv_split_size)
         scales["workspace"] = xp.zeros(workspace_bytes(num_seqs * q_len, kv_heads * gqa, splits, head), np.uint8)
 
     def run():
@@ -120,7 +121,7 @@ def block_stride(s: dict) -> tuple:
     plan = production_plan(s)
     rows = s["q_len"] * (s["num_heads"] // s["num_kv_heads"])
     full = plan.max_splits == 1 and rows == plan.tiles * prefill_shape(s["head_size"], s["head_size"])[0]
-    return symmetric_stride(plan.tiles) if plan.kernel and full else 1, s["num_kv_heads"], 1
+    return symmetric_stride(plan.tiles) if full else 1, s["num_kv_heads"], 1
 
 
 def project(s: dict, subset: int, stride=None) -> dict:

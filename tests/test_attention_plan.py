@@ -13,8 +13,9 @@ import pytest
 
 import cupaged
 from cupaged import reference
-from cupaged._attention_kernels import decode_smem_bytes, resident_ctas
+from cupaged._attention_kernels import decode_smem_bytes, kernel_constants, resident_ctas
 from cupaged._backend import NOMINAL_SM_SHARED, NOMINAL_SMS
+from cupaged._launch import Launch
 from cupaged._plan import MIN_SPLIT
 from cupaged.testing import assert_close
 from tests.test_bad_input import _read_only
@@ -36,8 +37,9 @@ def test_plan_once_run_every_layer(backend):
     plan = cupaged.plan_attention(q, kv0, index["block_tables"], index["seq_lens"], index["query_start_loc"],
                                   max_query_len=40, max_seq_len=700, kv_split_size=128)
     assert (plan.op, plan.kv_split_size, plan.max_splits, plan.tiles) == ("prefill", 128, 6, 1)  # 40 x 2 rows: one
-    assert "paged_prefill_kernel" in plan.kernel                                                   # tile of 128
-    assert plan.grid == (1 * 6, 2, 3) and plan.partial_shapes[2] == (44, 4, 6, 64)
+    prefill, decode = plan.launches                                                                # tile of 128
+    assert "paged_prefill_kernel" in prefill.kernel and "paged_decode_kernel" in decode.kernel
+    assert prefill.grid == (1 * 6, 2, 3) and plan.partial_shapes[2] == (44, 4, 6, 64)
     for inputs, _, (ref_out, ref_lse) in layers:
         layer_q = backend.asarray(inputs["q"])
         kv = cupaged.KvView.paged(backend.asarray(inputs["key_cache"]), backend.asarray(inputs["value_cache"]), layer_q)
@@ -109,8 +111,9 @@ def test_a_plan_too_big_for_the_device_is_a_clear_error():
     for heads, fits_99k in ((64, False), (16, True)):
         q = rng.standard_normal((2, heads, 576)).astype(F16)
         plan = cupaged.plan_attention(q, kv, np.zeros((2, 2), np.int32), np.array([20, 30], np.int32))
-        assert [name for name, *_ in plan.main_launches] == [plan.decode_kernel]
-        need = plan.decode_shared_mem
+        (launch,) = plan.launches
+        assert "mla_decode_kernel" in launch.kernel
+        need = launch.shared_mem
         assert (need <= 99 * 1024) == fits_99k and need <= 163 * 1024
         check_fits(plan, 163 * 1024, "an A100")  # fits
         if fits_99k:
@@ -176,10 +179,77 @@ def test_memoized_views_and_plans_tell_layouts_apart():
         q, aligned, tables, lens, kv_split_size=8)
 
 
+def test_a_plan_holds_its_launches_in_order_and_its_merge():
+    """A plan's main kernels are Launch values in launch order (paged_prefill_kernel for the long runs, then the decode
+    kernel), each grid's x its row tiles times max_splits; the merge is a Launch when the plan splits, else None."""
+    q, cache = np.empty((44, 4, 64), F16), np.empty((1, 16, 2, 64), F16)
+    kv = cupaged.KvView.paged(cache, cache, q)
+    args = (q, kv, np.empty((3, 44), np.int32), np.empty(3, np.int32), np.empty(4, np.int32))
+    plan = cupaged.plan_attention(*args, max_query_len=40, kv_split_size=128)
+    c = kernel_constants()
+    prefill, decode = plan.launches
+    assert (plan.tiles, plan.decode_tiles, plan.max_splits) == (1, 8, 6)  # 40 x 2 rows in 128; 16 x 2 in 4s
+    assert prefill == Launch("cupaged::paged_prefill_kernel<__half, cupaged::KV_AUTO, 64, 64>", (1 * 6, 2, 3),
+                             (c["PD_THREADS"], 1, 1), prefill.shared_mem)
+    assert decode == Launch("cupaged::paged_decode_kernel<__half, cupaged::KV_AUTO, 64, false>", (8 * 6, 2, 3),
+                            (c["PD_THREADS"], 1, 1), decode_smem_bytes(2, 64))
+    assert plan.merge == Launch("cupaged::paged_attention_reduce_kernel<__half>", (44, 4, 1), (c["PA_THREADS"], 1, 1))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prefill.grid = (1, 1, 1)
+    whole = cupaged.plan_attention(*args, max_query_len=40, kv_split_size=0)
+    assert whole.merge is None and whole.partial_shapes is None and whole.workspace_bytes == 0
+    assert whole.launches == tuple(dataclasses.replace(x, grid=(x.grid[0] // 6, *x.grid[1:])) for x in plan.launches)
+
+
+def test_plans_are_memoized_on_a_plan_key():
+    """make_plan takes one immutable PlanKey (what plan_attention reads of its arguments and the device): an equal key
+    gets the same plan object, a key differing in a field its own."""
+    from cupaged._plan import PlanKey, make_plan
+
+    key = PlanKey(q_shape=(1, 4, 64), q_dtype=np.dtype(F16), kind="paged", kv_cache_dtype="auto", num_kv_heads=2,
+                  v_head_size=64, block_size=16, table_width=256, index_len=1, decode=True, max_query_len=None,
+                  max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False, sms=NOMINAL_SMS,
+                  sm_shared=NOMINAL_SM_SHARED, decode_layout="rows", prefill_rows=True)
+    plan = make_plan(key)
+    assert make_plan(PlanKey(*key)) is plan and hash(PlanKey(*key)) == hash(key)
+    with pytest.raises(AttributeError):
+        key.sms = 8
+    assert (key.num_seqs, key.group, key.max_q, key.max_kv) == (1, 2, 1, 4096) and plan.max_splits == 16
+    assert make_plan(key._replace(max_seq_len=256)).max_splits == 1 and make_plan(key._replace(sms=8)) is not plan
+    dense = key._replace(kind="dense", table_width=None, index_len=3, block_size=1)
+    assert (dense.num_seqs, dense.max_kv) == (2, 0)  # cu_seqlens_k of 2 sequences; no hint: one pass
+    q, cache = np.empty((1, 4, 64), F16), np.empty((1, 16, 2, 64), F16)
+    kv = cupaged.KvView.paged(cache, cache, q)
+    assert cupaged.plan_attention(q, kv, np.empty((1, 256), np.int32), np.empty(1, np.int32)) is plan
+
+
+def test_run_launches_the_plans_launches_then_its_merge(monkeypatch):
+    """run_attention launches what the plan holds, in its order, and nothing else."""
+    from cupaged import attention
+
+    launched = []
+
+    class Recording:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            launched.append(Launch(self.name, grid, block, shared_mem))
+
+    monkeypatch.setattr(attention.FAMILY, "function", lambda name, xp: Recording(name))
+    monkeypatch.setattr(attention, "_OPTED_IN", {})
+    a = _planned()
+    a["plan"] = cupaged.plan_attention(a["q"], a["kv"], a["block_tables"], a["seq_lens"], a["query_start_loc"],
+                                       max_query_len=3, kv_split_size=16)
+    cupaged.run_attention(**a)
+    assert a["plan"].merge is not None and launched == [*a["plan"].launches, a["plan"].merge]
+
+
 def _decode_waves(plan) -> float:
     """The plan's decode grid in waves of the decode kernel's resident CTAs on the sim's nominal H200."""
-    per_sm = resident_ctas(plan.decode_threads, plan.decode_shared_mem, NOMINAL_SM_SHARED)
-    return math.prod(plan.decode_grid) / (NOMINAL_SMS * per_sm)
+    (decode,) = plan.launches
+    per_sm = resident_ctas(decode.block[0], decode.shared_mem, NOMINAL_SM_SHARED, kernel_constants()["PD_REGISTERS"])
+    return math.prod(decode.grid) / (NOMINAL_SMS * per_sm)
 
 
 @pytest.mark.parametrize("heads, kv_cache_dtype", [((32, 8), "auto"), ((64, 8), "auto"), ((64, 8), "fp8")])
@@ -206,7 +276,8 @@ def test_mla_decode_filling_a_wave_is_not_split():
     q = np.empty((64, 128, 576), F16)
     kv = cupaged.KvView.mla(np.empty((1, 64, 576), F16), 512)
     plan = cupaged.plan_attention(q, kv, np.empty((64, 64), np.int32), np.empty(64, np.int32), max_seq_len=4096)
-    assert plan.max_splits == 1 and math.prod(plan.decode_grid) == 256
+    (decode,) = plan.launches
+    assert plan.max_splits == 1 and math.prod(decode.grid) == 256 and decode.block == (256, 1, 1)
 
 
 @pytest.mark.parametrize("dtype, head, kind", [(np.float32, 256, "decode"), (F16, 256, "prefill"),
@@ -228,8 +299,9 @@ def test_every_kernel_fits_a_100_kb_sm(monkeypatch, dtype, head, kind):
     qsl = np.empty(3, np.int32) if kind == "prefill" else None
     plan = cupaged.plan_attention(q[:2] if qsl is None else q, kv, np.empty((2, 4), np.int32), np.empty(2, np.int32),
                                   qsl)
-    assert plan.main_launches and all(need + 1024 <= 100 * 1024 for *_, need in plan.main_launches)
-    assert ("paged_prefill" in plan.kernel) if kind == "prefill" else plan.kernel is None
+    assert plan.launches and all(launch.shared_mem + 1024 <= 100 * 1024 for launch in plan.launches)
+    assert [launch.kernel.split("<")[0] for launch in plan.launches[:-1]] == (
+        ["cupaged::paged_prefill_kernel"] if kind == "prefill" else [])
 
 
 def _planned():

@@ -1,4 +1,5 @@
-"""pyproject.toml's GPU extras ask for what the project uses, of one CUDA major each."""
+"""pyproject.toml: the GPU extras ask for what the project uses, of one CUDA major each, and the wheel
+ships what the kernels and the sim compile from."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ import pytest
 tomllib = pytest.importorskip("tomllib")
 from packaging.requirements import Requirement  # noqa: E402
 
-_PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PYPROJECT = os.path.join(_ROOT, "pyproject.toml")
+
+
+def _pyproject() -> dict:
+    with open(_PYPROJECT, "rb") as f:
+        return tomllib.load(f)
 
 
 def _project() -> dict:
-    with open(_PYPROJECT, "rb") as f:
-        return tomllib.load(f)["project"]
+    return _pyproject()["project"]
 
 
 def _extra(name: str) -> dict[str, Requirement]:
@@ -49,3 +55,17 @@ def test_gpu_extras_take_nvrtc_headers_and_cublas_of_their_cuda_major(extra, maj
     for name in wheels:
         assert _admits(reqs[name], f"{major}.0.0") and _admits(reqs[name], f"{major}.9.99"), name
         assert not _admits(reqs[name], f"{major - 1}.9.99") and not _admits(reqs[name], f"{major + 1}.0.0"), name
+
+
+def test_wheel_ships_kernels_and_every_sim_header_directory():
+    """The sim compiles against headers in several packages (the engine's, the PTX layer's, the
+    profiler's): each must sit inside a package the wheel takes whole, and kernels_cu is mapped in."""
+    from cupaged.sim import _compile
+
+    wheel = _pyproject()["tool"]["hatch"]["build"]["targets"]["wheel"]
+    packages = [os.path.join(_ROOT, p) for p in wheel["packages"]]
+    assert not {"only-include", "exclude"} & set(wheel), "the wheel takes its packages whole"
+    for d in _compile.INCLUDE_DIRS:
+        assert os.listdir(d), d
+        assert any(os.path.commonpath([d, p]) == p for p in packages), f"{d} is in no wheel package"
+    assert wheel["force-include"]["kernels_cu"] == "cupaged/kernels_cu"

@@ -9,7 +9,8 @@ from fractions import Fraction
 
 import pytest
 
-from cupaged.sim import _launch_model, profile
+from cupaged.sim import profile
+from cupaged.sim.profiler import _launch_model
 
 PROFILING = os.path.join(os.path.dirname(__file__), "..", "profiling")
 

@@ -40,7 +40,7 @@ def plots():
     return load("_report_plots")
 
 
-# model v2's terms of a launch (µs): issue bounds it, as the issue's SASS counts say decode's do
+# model v2's terms of a launch (µs): issue bounds it, as the SASS instruction counts say decode's do
 TERMS_V2 = dict(hbm=6.0, latency=7.5, shared=0.25, mma=0.0, issue=10.0, mufu=0.5)
 
 
@@ -311,7 +311,7 @@ def test_report_names_what_is_missing_and_exits_1(report, rows, tmp_path, monkey
 
 
 def test_report_whose_gate_ate_the_budget_is_no_success(report, tmp_path, monkeypatch, capsys):
-    """The issue's run: a cold compile gate took the budget, every bench ran out of its share, and
+    """A run seen in practice: a cold compile gate took the budget, every bench ran out of its share, and
     the report exited 0 with rows.json and resources.json and no plot."""
     Bench = report.Bench
     fake_benches(report, monkeypatch, tmp_path, bench_mla=(Bench(5, report.MODEL_PLOTS), None, False, True),

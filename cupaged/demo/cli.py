@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cupaged._attention_args import MAX_HEAD_SIZE
-from cupaged._backend import GpuUnavailableError, gpu_module, require_gpu
+from cupaged._backend import GpuUnavailableError, gpu_module, on_sim, require_gpu
 from cupaged.demo.engine import Engine, Request, blocks_needed
 from cupaged.demo.model import DecoderConfig, TinyDecoder, random_weights
 from cupaged.kv_cache import KVCache
@@ -196,7 +196,7 @@ def build(args):
 def serve(args) -> int:
     """Build, serve every request with a progress bar, print the closing table (and the --verify line)."""
     engine, weights, config = build(args)
-    backend = "sim" if engine.model.xp is np else "GPU"
+    backend = "sim" if on_sim(engine.model.xp) else "GPU"
     total = sum(r.max_new_tokens * (1 + (r.fork_as is not None)) for r in engine.waiting)
     start, first = time.perf_counter(), None
     with _Bar(total=total, unit="tok", desc=f"serving on the {backend}", file=sys.stderr, mininterval=0.5) as bar:

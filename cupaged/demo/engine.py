@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from cupaged._backend import host_copy
 from cupaged.cache_gather import copy_blocks
 from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks
 
@@ -159,7 +160,7 @@ class Engine:
         ends = np.asarray(plan.query_start_loc[1:]) - 1
         sampling = [i for i, (r, n) in enumerate(batch) if r.computed + n == len(r.tokens)]
         rows = self.model.logits(hidden[xp.asarray(ends[sampling])]) if sampling else None
-        rows = rows if rows is None or isinstance(rows, np.ndarray) else rows.get()
+        rows = None if rows is None else host_copy(rows)
         self._account(batch, plan)
         for r, n in batch:
             r.computed += n

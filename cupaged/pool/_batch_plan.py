@@ -5,35 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 
-import numpy as np
-
-from cupaged._backend import gpu_module
+from cupaged._backend import default_array_module, is_host_array, on_sim, resolve_array_module
 from cupaged._host_transfer import PinnedStaging
 
 __all__ = ["BatchPlan", "PinnedStaging", "default_array_module"]
-
-
-def default_array_module():
-    """cupy when it imports and sees a device, else ``cupaged.sim`` (guarded numpy); cupy installed
-    but unusable warns (GpuUnavailableWarning: cause, driver, extra to install) before the sim."""
-    from cupaged import sim
-
-    return gpu_module() or sim
-
-
-def resolve_array_module(xp, name="xp"):
-    """``None`` -> the default; numpy or ``cupaged.sim`` -> ``cupaged.sim``; cupy -> cupy."""
-    from cupaged import sim
-
-    if xp is None:
-        return default_array_module()
-    if xp is np or xp is sim:
-        return sim
-    if xp is sys.modules.get("cupy"):
-        return xp
-    raise TypeError(f"{name} must be None, numpy, cupaged.sim or cupy, got {xp!r}")
 
 
 _FIELDS = ("slot_mapping", "positions", "query_start_loc", "seq_lens", "block_tables")  # int64 first
@@ -76,13 +52,11 @@ class BatchPlan:
         """The same plan on the device: cupy arrays uploaded with one host-to-device copy on the
         current stream (asynchronous, from pinned memory), or guarded numpy arrays on the sim.
         ``xp`` as for :class:`cupaged.KVCache` (None: cupy when a GPU is usable, else the sim)."""
-        if not isinstance(self.seq_lens, np.ndarray):
+        if not is_host_array(self.seq_lens):
             return self
-        from cupaged import sim
-
         xp = resolve_array_module(xp)
         arrays = {f: getattr(self, f) for f in _FIELDS}
-        if xp is sim:
+        if on_sim(xp):
             arrays = {f: xp.asarray(a) for f, a in arrays.items()}
         else:
             arrays = (self._staging or _shared_staging()).upload(xp, arrays)

@@ -7,7 +7,15 @@ A drop-in for the part of CuPy that cupaged uses::
     kernel((blocks,), (threads,), (x, y, np.int32(n)), shared_mem=0)
 
 Data arrays are numpy arrays; ``empty/zeros/asarray`` allocate them in guarded memory (PROT_NONE
-pages around every buffer) so they are passed without a copy. See README.md (`cupaged.sim`) for the model.
+pages around every buffer) so they are passed without a copy. docs/sim.md is the manual.
+
+This package is the engine: compiling (``_compile.py``, ``_smem.py``, ``_cache.py``), modules and
+launches (``_module.py``, ``_params.py``, ``_staging.py``, ``_env.py``), guarded memory
+(``_memory.py``), errors (``_errors.py``) and the C++ runtime every kernel is compiled against
+(``include/``: fibers, barriers, warp collectives, bounds checks, faults). Two layers sit beside it:
+``ptx/`` emulates inline PTX and ``profiler/`` is ``profile()``; ``model.py`` is the H200 model the
+profiler applies, public for the benches and the report.
+
 Environment: ``CUPAGED_SIM_ORDER=natural|reverse|random[:seed]`` (block and thread scheduling
 order), ``CUPAGED_SIM_TIMEOUT`` (CPU seconds per launch, default 300), ``CUPAGED_SIM_ARCH``
 (``sm_80`` or ``sm_90``, the shared-memory limit enforced; default ``sm_90``),
@@ -25,7 +33,7 @@ from cupaged.sim._errors import (
 )
 from cupaged.sim._memory import asarray, empty, empty_like, zeros, zeros_like
 from cupaged.sim._module import RawKernel, RawModule
-from cupaged.sim._profile import profile
+from cupaged.sim.profiler._profile import profile
 
 __all__ = [
     "RawModule", "RawKernel", "SimError", "SimCompileError", "SimMemoryError", "SimSyncError",

@@ -6,7 +6,7 @@ CuPy's name expressions). Every ``extern __shared__`` array is an undefined TLS 
 compiling; a generated assembly file defines each as an alias of one page-aligned TLS buffer, so
 they share one base address as on the GPU. A source that may hold inline PTX (an ``asm`` keyword,
 a quoted ``#include`` or a ``-I`` option) is preprocessed first and its asm statements rewritten
-into emulations (``_asm.py``); the result is compiled as preprocessed C++.
+into emulations (the PTX layer, ``ptx/``); the result is compiled as preprocessed C++.
 
 Objects live in the ``sim`` directory of the per-user cache (see ``_cache.py``), keyed by the
 shim, the source, the options, the names and the compiler's identity; an object is cached only
@@ -26,13 +26,17 @@ import subprocess
 import tempfile
 
 from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
-from cupaged._runtime import compile_notice
-from cupaged.sim import _asm
+from cupaged._notice import compile_notice
+from cupaged.sim import profiler, ptx
 from cupaged.sim._cache import cache_dir, usable
 from cupaged.sim._errors import SimCompileError
 from cupaged.sim._smem import static_per_kernel
+from cupaged.sim.ptx import _asm
 
 INCLUDE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "include")
+# The engine's headers first: its cooperative_groups.h, and the PTX layer's
+# cuda_pipeline_primitives.h, are found ahead of NVIDIA's, which follow.
+INCLUDE_DIRS = (INCLUDE_DIR, ptx.INCLUDE_DIR, profiler.INCLUDE_DIR)
 DYN_SMEM_CAPACITY = 233472  # 228 KiB: above sm_90's 227 KiB opt-in maximum, a whole number of pages
 CXXFLAGS = (
     "-std=c++17", "-O2", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off", "-fno-extern-tls-init",
@@ -66,8 +70,8 @@ def bounds_checked() -> bool:
 
 # The profiler's build (cupaged.sim.profile()): every access calls the sim's __tsan_* entry points
 # (not function entries and exits: nothing uses them), every basic block __sanitizer_cov_trace_pc
-# (the blocks' warp-level executions weigh the cubin's: cupaged/sim/_instructions.py); -g1 adds only
-# the line tables, which map an instruction site or a block to its source line.
+# (the blocks' warp-level executions weigh the cubin's: cupaged/sim/profiler/_instructions.py); -g1
+# adds only the line tables, which map an instruction site or a block to its source line.
 PROFILE_FLAGS = ("-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fsanitize-coverage=trace-pc",
                  "-g1", "-DCUPAGED_SIM_PROFILE=1")
 
@@ -78,8 +82,8 @@ _UNROLL = re.compile(r"^([ \t]*)#[ \t]*pragma[ \t]+unroll\b[ \t]*(\d*)[ \t]*$", 
 def profile_source(code: str) -> str:
     """The profiled build's source: each ``#pragma unroll`` that g++ can follow becomes GCC's, so the
     host unrolls the loops ptxas unrolls (the issued-instruction count weighs the cubin's blocks with
-    the host's, cupaged/sim/_instructions.py). Counts that are expressions (``S::UNROLL``: GCC 12
-    takes only literals) stay as they are; lines keep their numbers."""
+    the host's, cupaged/sim/profiler/_instructions.py). Counts that are expressions (``S::UNROLL``:
+    GCC 12 takes only literals) stay as they are; lines keep their numbers."""
     return _UNROLL.sub(lambda m: f"{m.group(1)}#pragma GCC unroll {m.group(2) or 65534}", code)
 
 
@@ -136,12 +140,15 @@ def compiler() -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _shim_text() -> str:
-    """For the cache key: every file of the sim's include directory (subdirectories too), the
-    inline-asm rewriter's modules, whose translation is compiled into the objects, and _smem.py,
-    whose per-kernel static shared memory is cached beside them."""
+    """For the cache key: every file of the sim's include directories (subdirectories too), the PTX
+    layer's modules, whose translation is compiled into the objects, and _smem.py, whose per-kernel
+    static shared memory is cached beside them."""
     here = os.path.dirname(os.path.abspath(__file__))
-    paths = [os.path.join(root, name) for root, dirs, files in sorted(os.walk(INCLUDE_DIR)) for name in sorted(files)]
-    paths += [os.path.join(here, name) for name in ("_asm.py", "_ptx.py", "_ptx_base.py", "_ptx_memory.py", "_smem.py")]
+    paths = [os.path.join(root, name) for d in INCLUDE_DIRS for root, dirs, files in sorted(os.walk(d))
+             for name in sorted(files)]
+    ptx_dir = os.path.dirname(ptx.__file__)
+    paths += [os.path.join(ptx_dir, name) for name in sorted(os.listdir(ptx_dir)) if name.endswith(".py")]
+    paths.append(os.path.join(here, "_smem.py"))
     parts = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -233,14 +240,14 @@ def _compile(cxx, tmp, code, passed, names, cuda_inc, profile=False):
     src = os.path.join(tmp, "kernel.cu")
     with open(src, "w", encoding="utf-8") as f:
         f.write(code + "\n\n// ---- generated launch wrappers\n" + _wrappers(names))
-    flags = [*cxxflags(profile), *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull", f"-I{INCLUDE_DIR}",
-             *(f"-I{i}" for i in cuda_inc), "-include", "cupaged_sim.h"]
+    flags = [*cxxflags(profile), *passed, f"-DCUPAGED_SIM_DYN_SMEM={DYN_SMEM_CAPACITY}ull",
+             *(f"-I{i}" for i in (*INCLUDE_DIRS, *cuda_inc)), "-include", "cupaged_sim.h"]
     obj = os.path.join(tmp, "kernel.o")
     if _asm.has_asm(code, passed):  # inline PTX: preprocess, rewrite each asm statement, compile the result
         pre = os.path.join(tmp, "kernel.ii")
         _run([cxx, *flags, "-x", "c++", "-E", src, "-o", pre], "preprocessing the kernel source for the sim")
         with open(pre, encoding="utf-8") as f:
-            text = _asm.rewrite(f.read(), src, [INCLUDE_DIR, *cuda_inc])
+            text = _asm.rewrite(f.read(), src, [*INCLUDE_DIRS, *cuda_inc])
         src = os.path.join(tmp, "kernel.sim.ii")
         with open(src, "w", encoding="utf-8") as f:
             f.write(text)

@@ -15,13 +15,15 @@ import threading
 
 import numpy as np
 
-from cupaged.sim import _compile, _env, _profile
+from cupaged._source import strip_comments
+from cupaged.sim import _compile, _env
 from cupaged.sim._errors import SimError, SimMemoryError, SimSyncError, SimTimeoutError, SimTrapError
 from cupaged.sim._memory import poison_byte, regions
-from cupaged.sim._params import param_names, strip_comments
-from cupaged.sim._probe import pointer_fields
+from cupaged.sim._params import param_names
 from cupaged.sim._smem import launch_bounds
 from cupaged.sim._staging import Staging, fault_message
+from cupaged.sim.profiler import _profile
+from cupaged.sim.profiler._probe import pointer_fields
 
 __all__ = ["RawModule", "RawKernel"]
 

@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["param_names", "strip_comments"]
+from cupaged._source import strip_comments
 
-_COMMENT_OR_LITERAL = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+__all__ = ["param_names"]
+
 _ATTRIBUTES = re.compile(r"\[\[.*?\]\]|\b(?:__attribute__|__declspec|alignas|__align__)\s*\(")
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict", "struct", "class", "typename",
                "enum", "union", "register", "__grid_constant__"}
 _BUILTIN_TYPES = {"void", "bool", "char", "short", "int", "long", "float", "double", "signed", "unsigned",
                   "auto", "wchar_t", "char16_t", "char32_t"}
-
-
-def strip_comments(code: str) -> str:
-    """``code`` with every comment replaced by a space (string and character literals kept)."""
-    return _COMMENT_OR_LITERAL.sub(lambda m: m.group(0) if m.group(0)[0] in "\"'" else " ", code)
 
 
 def _balanced_end(text: str, i: int) -> int:

@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import re
 
-from cupaged.sim import _block_fit, _sass
+from cupaged.sim.profiler import _block_fit, _sass
 
 __all__ = ["InstructionCount", "count_instructions", "launch_instructions"]
 

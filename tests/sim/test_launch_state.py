@@ -1,7 +1,7 @@
 """Engine and profiler state never outlives the launch that lent it.
 
 A launch lends the engine memory that Python owns and frees when the call returns: the profiler's
-record (``ProfLaunch`` and its ``ProfArg`` rows, cupaged/sim/_probe.py) and the bounds table of
+record (``ProfLaunch`` and its ``ProfArg`` rows, cupaged/sim/profiler/_probe.py) and the bounds table of
 guarded arrays (cupaged/sim/_memory.py ``regions``). The profiled build instruments the engine's own
 code too, so the next launch's wrapper and prologue call the access hooks before that launch has
 installed anything; if the previous launch's argument ranges were still set there, a hook that
@@ -36,7 +36,8 @@ REPRO = textwrap.dedent(r'''
     import ctypes, mmap, sys
     import numpy as np
     from cupaged import sim
-    from cupaged.sim import _memory, _profile
+    from cupaged.sim import _memory
+    from cupaged.sim.profiler import _profile
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p

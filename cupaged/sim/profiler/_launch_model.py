@@ -2,8 +2,8 @@
 (cupaged/sim/model.py). The times are a model, never a measurement.
 
 Occupancy needs the kernel's registers and static shared memory for the model GPU's architecture:
-ptxas's figures through NVRTC (cupaged/resources.py), cached per (source, options, kernel, arch) in
-the per-user cache like the compile gate's, so a kernel is compiled once per source version.
+ptxas's figures through NVRTC (cupaged/_resource_cache.py), cached per (source, options, kernel,
+arch) in the per-user cache like the compile gate's, so a kernel is compiled once per source version.
 """
 
 from __future__ import annotations
@@ -63,13 +63,9 @@ class LaunchModel:
 
 def _resources(launch, arch: str) -> tuple[int, int]:
     """(registers per thread, static shared bytes) of the launched kernel, compiled for ``arch``."""
-    from cupaged import _resource_cache, resources
+    from cupaged import _resource_cache
 
-    path = _resource_cache.cache_path("launch", launch.source, (launch.kernel,), tuple(launch.options), arch)
-    records = _resource_cache.load(path)
-    if records is None:
-        records = resources.compile_resources(launch.source, [launch.kernel], arch, tuple(launch.options), "launch")
-        _resource_cache.store(path, records)
+    records = _resource_cache.cached_resources("launch", launch.source, (launch.kernel,), launch.options, arch)
     rec = next(r for r in records if r.name_expression == launch.kernel)
     return rec.registers, rec.shared_bytes
 

@@ -1,6 +1,6 @@
 """The sim's inline-asm rewrite itself: statement parsing, operand binding, line numbers, scoping of
 the rewrite to kernel and project code, and the warp-wide synchronization of .sync.aligned
-instructions. (Each instruction's semantics: test_sim_ptx.py, test_sim_ptx_mma.py.)"""
+instructions. (Each instruction's semantics: test_ptx.py, test_ptx_mma.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from cupaged import sim
-from cupaged.sim import _asm
-from cupaged.sim._ptx_base import split_commas
+from cupaged.sim.ptx import _asm
+from cupaged.sim.ptx._base import split_commas
 
 
 def test_statement_sections_and_strings():

@@ -5,30 +5,31 @@
 // return address identifies the instruction site. No TSan runtime is linked: these entry points
 // are the profiler's. The build also has -fsanitize-coverage=trace-pc: every basic block of the
 // kernel's code calls __sanitizer_cov_trace_pc, counted per warp (the SASS instruction count,
-// cupaged/sim/_instructions.py, weighs the cubin's basic blocks with these counts). Each access of a CUDA thread to a pointer argument's memory or to shared
-// memory joins a warp-level instruction (one executed occurrence of one site by the lanes of a
-// warp: the lanes' occurrence counts of that site since their last scheduling point); at the end
-// of the block each instruction's lanes give its 32-byte sectors or its shared-memory wavefronts.
+// cupaged/sim/profiler/_instructions.py, weighs the cubin's basic blocks with these counts). Each
+// access of a CUDA thread to a pointer argument's memory or to shared memory joins a warp-level
+// instruction (one executed occurrence of one site by the lanes of a warp: the lanes' occurrence
+// counts of that site since their last scheduling point); at the end of the block each
+// instruction's lanes give its 32-byte sectors or its shared-memory wavefronts.
 // Emulated PTX (cp.async, ldmatrix) is accounted by the emulation itself. Included inside
 // namespace cupaged_sim.
 #pragma once
 
-struct ProfArg {  // mirrored by ctypes in cupaged/sim/_probe.py
+struct ProfArg {  // mirrored by ctypes in cupaged/sim/profiler/_probe.py
   unsigned long long lo, hi;          // the argument's memory
   unsigned long long bytes_read, bytes_written, sectors_read, sectors_written;
   unsigned long long useful_read, useful_written;  // distinct bytes per warp-level instruction, summed
   unsigned long long* seen_read;      // bitmaps, one bit per byte of [lo, hi): touched by a read / write
   unsigned long long* seen_written;
 };
-struct ProfSite {  // mirrored by ctypes in cupaged/sim/_probe.py
+struct ProfSite {  // mirrored by ctypes in cupaged/sim/profiler/_probe.py
   const void* site;  // a return address in the code, or 2^63 + line (emulated PTX); null: an empty slot
   unsigned long long wavefronts, ideal_wavefronts;
 };
-struct ProfBlock {  // mirrored by ctypes in cupaged/sim/_probe.py
+struct ProfBlock {  // mirrored by ctypes in cupaged/sim/profiler/_probe.py
   const void* pc;  // a basic block of the kernel's code (the return address of its coverage hook); null: empty
   unsigned long long count;  // its warp-level executions (see __sanitizer_cov_trace_pc)
 };
-struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/_probe.py
+struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/profiler/_probe.py
   int nargs;
   ProfArg* args;
   unsigned long long wavefronts, ideal_wavefronts, cp_async_bytes, mma_flops, max_inflight_bytes_per_cta;

@@ -8,9 +8,9 @@ warps x (instructions on the path each warp takes, a loop body once per trip). S
 issues an instruction once for all its active lanes, a branch that diverges inside a warp issues both
 sides, predicated-off instructions still issue (``@!P0 EXIT`` of a CTA that goes on), and BSSY, BSYNC,
 BRA and EXIT are instructions; the padding after the last EXIT (a ``BRA`` to itself, NOPs) never runs.
-The issue holds the count to 10% of the hand count; the comments say where the hand count is exact.
+The count must come within 10% of the hand count; the comments say where the hand count is exact.
 
-Mix classes as the issue defines them: ``memory`` = LDG/STG/LDS/STS/LDC/ULDC/LDGSTS/LDSM/atomics/bulk
+Mix classes as ``instruction_mix`` defines them (profiling/README.md): ``memory`` = LDG/STG/LDS/STS/LDC/ULDC/LDGSTS/LDSM/atomics/bulk
 copies, ``fp32`` = FFMA/FADD/FMUL/FMNMX/FSETP/HFMA2/..., ``mufu`` = MUFU, ``mma`` = HMMA and the GMMA
 family (``HFMA2.MMA``, a constant move on the FMA pipe, is no MMA), ``int_control`` = the rest.
 
@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from cupaged import sim
-from cupaged.sim._sass import nvdisasm
+from cupaged.sim.profiler._sass import nvdisasm
 
 pytest.importorskip("scipy")
 pytestmark = pytest.mark.skipif(nvdisasm() is None, reason="nvdisasm (the profiling extra) is not installed")
@@ -84,7 +84,7 @@ extern "C" __global__ void div64(const long long* a, long long* out, long long d
 }
 """
 
-# the issue's classes, by the opcode before its first dot
+# instruction_mix's classes, by the opcode before its first dot
 MEMORY = {"LDG", "STG", "LDS", "STS", "LD", "ST", "LDC", "ULDC", "LDGSTS", "LDSM", "ATOM", "ATOMG", "ATOMS",
           "RED", "REDG", "UBLKCP", "UTMALDG", "UTMASTG"}
 FP32 = {"FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSEL", "FSET", "HFMA2", "HADD2", "HMUL2"}
@@ -142,7 +142,7 @@ def kind(op):
 
 def issued(*segments):
     """Instructions issued over ``(instructions, times)`` segments of a path: their count by source line
-    and their mix (``total`` and the issue's classes)."""
+    and their mix (``total`` and instruction_mix's classes)."""
     by_line, mix = collections.Counter(), dict.fromkeys(CLASSES, 0)
     for insns, times in segments:
         for insn in insns:
@@ -170,7 +170,7 @@ def launch(name, grid, block, args, out, want):
 
 
 def agrees(rec, by_line, mix):
-    """The record within the issue's 10% of the hand count: in total, in each class, on each line."""
+    """The record within 10% of the hand count: in total, in each class, on each line."""
     assert rec.warp_instructions == pytest.approx(mix["total"], rel=0.10)
     assert {k: rec.instruction_mix[k] for k in mix} == pytest.approx(mix, rel=0.10)
     assert rec.instructions_by_line == pytest.approx(by_line, rel=0.10)

@@ -1,11 +1,11 @@
 """PTX translation of the warp-wide, memory and synchronizing instructions: mma.sync, ldmatrix,
-stmatrix, cp.async, ld / st, mov, cvta, shfl.sync, bar and fence (see ``_ptx.py``)."""
+stmatrix, cp.async, ld / st, mov, cvta, shfl.sync, bar and fence (see ``_translate.py``)."""
 
 from __future__ import annotations
 
 import re
 
-from cupaged.sim._ptx_base import INT_TYPES, P, size_of
+from cupaged.sim.ptx._base import INT_TYPES, P, size_of
 
 _MMA_TYPES = {"f16": 0, "bf16": 1, "e4m3": 2, "e5m2": 3}
 

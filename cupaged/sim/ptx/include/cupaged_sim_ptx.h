@@ -1,6 +1,6 @@
 // cupaged_sim_ptx.h: what inline PTX becomes on the sim (included by cupaged_sim.h).
 //
-// The sim's compile step (cupaged/sim/_asm.py) rewrites each `asm` statement of the kernel source
+// The sim's compile step (cupaged/sim/ptx/_asm.py) rewrites each `asm` statement of the kernel source
 // into C++ that binds its operands by constraint ("r" -> uint32_t, "h" -> uint16_t, "l" ->
 // uint64_t, "f" float, "d" double, "n" an immediate) and calls the functions below, one per PTX
 // instruction. Addresses of the `.shared` state space are offsets from `smem_base` (the start of

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 
 from cupaged._cuda_paths import CudaNotFoundError, cuda_include_dirs
-from cupaged.sim._compile import INCLUDE_DIR
+from cupaged.sim._compile import INCLUDE_DIRS
 
 __all__ = ["locations", "own_locations"]
 
@@ -34,7 +34,7 @@ def _skipped() -> tuple[str, ...]:
         cuda = cuda_include_dirs()
     except CudaNotFoundError:
         cuda = ()
-    return (*(os.path.join(os.path.realpath(d), "") for d in (INCLUDE_DIR, *cuda)), "/usr/")
+    return (*(os.path.join(os.path.realpath(d), "") for d in (*INCLUDE_DIRS, *cuda)), "/usr/")
 
 
 def _object_of(lib) -> tuple[str, int]:

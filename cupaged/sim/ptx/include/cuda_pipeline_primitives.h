@@ -2,7 +2,7 @@
 // semantics as the PTX (a copy lands in shared memory only when a wait covers its group; until
 // then the destination holds poison). NVIDIA's header copies at once on its host path, which would
 // hide a kernel that reads its tile before waiting. Found ahead of NVIDIA's (the sim's include
-// directory comes first); NVRTC builds use NVIDIA's.
+// directories come first); NVRTC builds use NVIDIA's.
 #pragma once
 namespace cupaged_sim {
 namespace ptx {

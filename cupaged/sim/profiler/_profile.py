@@ -26,8 +26,8 @@ import functools
 
 import numpy as np
 
-from cupaged.sim import _host_blocks, _lines
-from cupaged.sim._probe import LaunchStructs, pointer_fields
+from cupaged.sim.profiler import _host_blocks, _lines
+from cupaged.sim.profiler._probe import LaunchStructs, pointer_fields
 
 __all__ = ["profile", "Profile", "Launch", "ArgTraffic", "SharedTraffic", "declare", "declared"]
 
@@ -95,8 +95,8 @@ class Launch:
     @functools.cached_property
     def instructions(self):
         """The warp-level SASS instructions this launch issues on sm_90 over its profiled CTAs
-        (cupaged/sim/_instructions.py)."""
-        from cupaged.sim import _instructions
+        (cupaged/sim/profiler/_instructions.py)."""
+        from cupaged.sim.profiler import _instructions
 
         return _instructions.launch_instructions(self)
 
@@ -122,8 +122,8 @@ class Launch:
 
     @functools.cached_property
     def model(self):
-        """The H200 time model of this launch (cupaged/sim/_launch_model.py)."""
-        from cupaged.sim import _launch_model
+        """The H200 time model of this launch (cupaged/sim/profiler/_launch_model.py)."""
+        from cupaged.sim.profiler import _launch_model
 
         return _launch_model.model_of(self)
 
@@ -138,8 +138,8 @@ class Profile:
         self.launches: list[Launch] = []
 
     def table(self) -> str:
-        """The launches' H200 model as a table (cupaged/sim/_launch_model.py)."""
-        from cupaged.sim import _launch_model
+        """The launches' H200 model as a table (cupaged/sim/profiler/_launch_model.py)."""
+        from cupaged.sim.profiler import _launch_model
 
         return _launch_model.table(self.launches)
 

@@ -48,7 +48,7 @@
 // step 4: a warp that runs ahead overwrites a stage others still read; the sim's reverse and random
 // orders let warps run ahead between barriers, so that variant fails there.
 //
-// Test: pytest tests/test_sim_gemm.py (sim in three scheduling orders, NVRTC sm_80 / sm_90 with no
+// Test: pytest tests/sim/test_gemm.py (sim in three scheduling orders, NVRTC sm_80 / sm_90 with no
 // spills, the SKIP_WAIT variant; cuda when a GPU is present).
 #include <cuda_fp16.h>
 

@@ -6,7 +6,7 @@ of project headers are rewritten; NVIDIA's headers, the C++ library and the sim'
 their host code paths. Each statement becomes one C++ block on the same line (the line count is
 kept): its operands are bound in order by constraint (``r`` uint32_t, ``h`` uint16_t, ``l`` uint64_t,
 ``f`` float, ``d`` double, ``n``/``i`` an immediate; ``=`` output, ``+`` in-out, a digit ties an
-input to that output), then :mod:`cupaged.sim._ptx` translates the PTX text into calls of
+input to that output), then :mod:`cupaged.sim.ptx._translate` translates the PTX text into calls of
 ``cupaged_sim_ptx.h``. An instruction the sim does not emulate is a :class:`SimCompileError`
 naming the opcode and the 1-based line of the statement in the source passed to ``RawModule``.
 """
@@ -18,8 +18,8 @@ import os
 import re
 
 from cupaged.sim._errors import SimCompileError
-from cupaged.sim._ptx import Operand, translate
-from cupaged.sim._ptx_base import split_commas, split_top
+from cupaged.sim.ptx._base import split_commas, split_top
+from cupaged.sim.ptx._translate import Operand, translate
 
 __all__ = ["has_asm", "rewrite"]
 

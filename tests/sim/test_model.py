@@ -8,7 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from cupaged.sim import _launch_model, model
+from cupaged.sim import model
+from cupaged.sim.profiler import _launch_model
 from cupaged.sim.model import H200, Terms
 
 

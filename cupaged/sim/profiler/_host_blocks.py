@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 
-from cupaged.sim import _lines
+from cupaged.sim.profiler import _lines
 
 __all__ = ["host_blocks"]
 

@@ -6,16 +6,16 @@ already been replaced by the bound C++ locals (see ``_asm.py``). Registers are h
 ``.b32`` registers there. ``{ }`` scopes, ``.reg`` declarations, ``@p`` / ``@!p`` guards and the
 special registers ``%laneid``, ``%warpid``, ``%tid``, ``%ntid``, ``%ctaid``, ``%nctaid`` and
 ``%lanemask_*`` are understood. Anything else is a SimCompileError naming the opcode. The
-warp-wide, memory and synchronizing instructions are in ``_ptx_memory.py``; shared pieces in
-``_ptx_base.py``.
+warp-wide, memory and synchronizing instructions are in ``_memory_ops.py``; shared pieces in
+``_base.py``.
 """
 
 from __future__ import annotations
 
 import re
 
-from cupaged.sim._ptx_base import INT_TYPES, REG_CTYPE, Operand, P, Statement, as_type, from_type, size_of, split_commas
-from cupaged.sim._ptx_memory import cp, cvta, ldst, matrix, mma, mov, sync
+from cupaged.sim.ptx._base import INT_TYPES, REG_CTYPE, Operand, P, Statement, as_type, from_type, size_of, split_commas
+from cupaged.sim.ptx._memory_ops import cp, cvta, ldst, matrix, mma, mov, sync
 
 __all__ = ["Operand", "translate", "EMULATED"]
 
@@ -82,7 +82,7 @@ def _instruction(st: Statement, s: str) -> str:
     handler = _HANDLERS.get(parts[0])
     body = handler(st, parts, ops) if handler else None
     if body is None:
-        raise st.error(f"the sim does not emulate the PTX instruction `{opcode}` (see README: what the sim emulates)")
+        raise st.error(f"the sim does not emulate the PTX instruction `{opcode}` (see docs/sim.md: what the sim emulates)")
     return guard + "{ " + body + " }"
 
 

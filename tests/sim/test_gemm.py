@@ -1,4 +1,4 @@
-"""tests/gemm_tile.cu, a worked example of cp.async + ldmatrix + mma.sync, on the sim and NVRTC.
+"""tests/sim/gemm_tile.cu, a worked example of cp.async + ldmatrix + mma.sync, on the sim and NVRTC.
 
 * NVRTC compiles it for sm_80 and sm_90 without register spills (no GPU needed);
 * C = A @ B (fp16 in, fp32 out) matches numpy on the sim in every scheduling order, and on a GPU;
@@ -121,7 +121,7 @@ def test_counted_hmma_matches_the_emulated_flops():
     16) are the FLOPs the sim's mma.sync emulation counted; 2 * M * N * K in all."""
     pytest.importorskip("scipy")
     from cupaged import sim
-    from cupaged.sim._sass import nvdisasm
+    from cupaged.sim.profiler._sass import nvdisasm
 
     if nvdisasm() is None:
         pytest.skip("nvdisasm (the profiling extra) is not installed")
