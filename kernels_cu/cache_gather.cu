@@ -25,7 +25,7 @@
 //            cupaged/selftest.py; reference: cupaged/reference/cache_gather.py
 // Test:      pytest tests/test_cache_gather.py      (sim; cuda too when a GPU is present; -m slow: the
 //            full grid and 64-bit offsets); also tests/test_mla.py, test_kv_cache.py, test_api_fuzz.py,
-//            test_bad_input.py; as every family, test_compile_gate.py, test_sim_params.py, test_runtime.py
+//            test_bad_input.py; as every family, test_compile_gate.py, sim/test_params.py, test_runtime.py
 // Benchmark: python profiling/bench_cache_gather.py
 #include "common.cuh"
 

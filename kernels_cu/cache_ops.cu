@@ -25,7 +25,7 @@
 //            cupaged/selftest.py; reference: cupaged/reference/cache_ops.py
 // Test:      pytest tests/test_cache_ops.py      (sim; cuda too when a GPU is present; -m slow: the full
 //            grid and 64-bit offsets); also tests/test_kv_cache.py, test_api_fuzz.py, test_bad_input.py,
-//            test_runtime.py; as every family, test_compile_gate.py and test_sim_params.py
+//            test_runtime.py; as every family, test_compile_gate.py and sim/test_params.py
 // Benchmark: python profiling/bench_cache_ops.py
 #include "common.cuh"
 

@@ -28,7 +28,7 @@
 //
 // Used by:   cupaged/rope.py (RotaryEmbedding, rope_and_cache), cupaged/selftest.py; reference: cupaged/reference/rope.py
 // Test:      pytest tests/test_rope.py (sim; cuda too when a GPU is present); as every family,
-//            test_compile_gate.py and test_sim_params.py
+//            test_compile_gate.py and sim/test_params.py
 // Benchmark: python profiling/bench_rope.py
 #include "common.cuh"
 

@@ -10,8 +10,9 @@
 // out. L = 0 (every state empty, no sink) gives out 0 and LSE -inf, never 0/0. Empty states are skipped
 // by selection, never weighted by zero: an empty split's m or partial output may be -inf or garbage.
 //
-// Used by:   paged_attention.cu (softmax_finish: one CTA's state and the sink; softmax_merge: the splits
-//            in paged_attention_reduce_kernel), merge_attn_states.cu (lse_merge: two LSE states).
+// Used by:   paged_attention.cu (softmax_finish: one CTA's state and the sink; softmax_merge: the splits in
+//            attention/merge.cuh; softmax_weight: the online-softmax step of attention/logits.cuh),
+//            merge_attn_states.cu (lse_merge: two LSE states).
 // Python:    through those kernels: cupaged/attention.py (and the ops on it: paged_attention.py,
 //            paged_attention_vllm.py, varlen_attention.py, mla.py), merge_attn_states.py.
 // Test:      pytest tests/test_paged_attention.py tests/test_merge_attn_states.py tests/test_decode_accuracy.py
@@ -25,10 +26,9 @@ namespace cupaged {
 // M so far, folding in state (m, l); start from the sink (-inf without one).
 __device__ __forceinline__ float softmax_max(float mx, float m, float l) { return l > 0.0f ? fmaxf(mx, m) : mx; }
 
-// The sink's term of L: e^{sink - M}, 0 without a sink.
-__device__ __forceinline__ float softmax_sink_term(float sink, float mx) {
-  return sink == neg_inf() ? 0.0f : expf(sink - mx);
-}
+// e^{x - M} for x <= M: the weight of logit x, or the factor that rescales a state whose max was x, under the max
+// M; 0 for x = -inf (a masked logit, an empty state, no sink): selected, never e^{-inf - (-inf)} = NaN.
+__device__ __forceinline__ float softmax_weight(float x, float mx) { return x == neg_inf() ? 0.0f : expf(x - mx); }
 
 // LSE = M + log L; -inf when L = 0 (nothing visible, no sink).
 __device__ __forceinline__ float softmax_lse(float mx, float total) {
@@ -44,7 +44,7 @@ struct SoftmaxFinish {
 __device__ __forceinline__ SoftmaxFinish softmax_finish(float m, float l, float sink) {
   const float mx = softmax_max(sink, m, l);
   const float w = l > 0.0f ? expf(m - mx) : 0.0f;
-  const float total = softmax_sink_term(sink, mx) + w * l;
+  const float total = softmax_weight(sink, mx) + w * l;
   return {total > 0.0f ? w / total : 0.0f, softmax_lse(mx, total)};
 }
 
@@ -60,7 +60,7 @@ __device__ __forceinline__ float softmax_share(float m, float l, float mx) { ret
 __device__ __forceinline__ SoftmaxMerge softmax_merge(const float* m, const float* l, int n, float sink) {
   float mx = sink;
   for (int i = 0; i < n; ++i) mx = softmax_max(mx, m[i], l[i]);
-  float total = softmax_sink_term(sink, mx);
+  float total = softmax_weight(sink, mx);
   for (int i = 0; i < n; ++i)
     if (l[i] > 0.0f) total += softmax_share(m[i], l[i], mx);
   return {mx, total > 0.0f ? 1.0f / total : 0.0f, softmax_lse(mx, total)};

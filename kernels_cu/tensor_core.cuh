@@ -15,9 +15,9 @@
 // ldmatrix row addresses are 16-byte aligned; 8 rows read at one column are conflict-free when the row
 // stride in 4-byte words is 4 or 20 mod 32 (the callers pad their rows).
 //
-// Used by:   paged_attention.cu (mla_decode_kernel, paged_decode_mma_kernel)
+// Used by:   paged_attention.cu: attention/decode_mma.cuh, prefill.cuh, mla_decode.cuh
 // Test:      pytest tests/test_mla.py tests/test_decode_accuracy.py tests/test_paged_attention.py (through those
-//            kernels); the instructions' emulation: tests/test_sim_ptx_mma.py, tests/test_sim_gemm.py
+//            kernels); the instructions' emulation: tests/sim/test_ptx_mma.py, tests/sim/test_gemm.py
 // Benchmark: python profiling/bench_mla.py; python profiling/bench_paged_attention.py
 #pragma once
 #include "common.cuh"

@@ -1,5 +1,5 @@
 """The decode kernels' memory traffic (paged_decode_kernel, paged_decode_mma_kernel, mla_decode_kernel), counted
-exactly by the sim's profiler (cupaged.sim.profile) -- the counts issue 16 sets: every visible K/V byte read once
+exactly by the sim's profiler (cupaged.sim.profile) -- the counts the decode kernels are held to: every visible K/V byte read once
 (unique bytes of key_cache and value_cache within 2% of the visible tokens' bytes), coalesced (sector efficiency
 >= 0.95 on both), shared memory without bank conflicts in the main loop (<= 5% of its wavefronts; the one-off
 merge of the warps' states at the end is not the loop) and >= 32 KB in flight per SM (the cp.async pipeline, at

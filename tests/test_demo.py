@@ -170,7 +170,7 @@ def _error_line(err: str) -> str:
 
 @pytest.mark.parametrize("flags, message", BAD_FLAGS.values(), ids=list(BAD_FLAGS))
 def test_a_bad_flag_is_a_usage_error_not_a_traceback(flags, message, capsys):
-    """Issue 29 §2.8: these ended in a traceback from the model, the engine or numpy."""
+    """A regression: these ended in a traceback from the model, the engine or numpy."""
     with pytest.raises(SystemExit) as exit_:
         cli.main([*TINY, *flags])
     assert exit_.value.code == 2

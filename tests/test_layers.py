@@ -1,6 +1,6 @@
 """Attention (cupaged/layers.py) against cupaged.reference.layers.attention, on the sim (and cuda with a GPU).
 
-The oracle is the float64 transcription of the seed's layer, run per sequence over the sequence's whole token
+The oracle is the float64 transcription of the attention module the layer follows (cupaged/reference/layers.py), run per sequence over the sequence's whole token
 history with its own DenseCache: causal attention over the history at once equals the step-by-step run in exact
 arithmetic, so every step's rows of the layer's output must match the reference's rows at the same positions.
 The layer instead runs steps of a BlockPool's plans (prefill chunks of awkward lengths, decode tokens, sequences
@@ -576,7 +576,7 @@ BAD_CONTENTS = {  # id: (the plan's bad fields from the pool's plan of "a" (12 t
 @pytest.mark.parametrize("how", ["validate=True", "CUPAGED_VALIDATE=1"])
 @pytest.mark.parametrize("bad, match", BAD_CONTENTS.values(), ids=list(BAD_CONTENTS))
 def test_validate_checks_a_plans_contents_before_any_write(bad, match, how, monkeypatch):
-    """Issue 29 §2.4: query_start_loc [0, 13, 20] for seq_lens [12, 8] gave an output off by several units even
+    """A regression: query_start_loc [0, 13, 20] for seq_lens [12, 8] gave an output off by several units even
     under CUPAGED_VALIDATE=1 (the layer's attention checks nothing of the contents). Under validate every content
     error of the plan is a ValueError naming the array, and the cache is byte-identical afterwards."""
     monkeypatch.delenv("CUPAGED_VALIDATE", raising=False)

@@ -1,4 +1,4 @@
-"""paged_prefill_kernel's counts from the sim's profiler (cupaged.sim.profile), the bounds issue 17 sets: key_cache
+"""paged_prefill_kernel's counts from the sim's profiler (cupaged.sim.profile), the bounds it is held to: key_cache
 bytes requested <= 1.1 x the sum over 64-row query tiles of (keys up to the tile's last row, rounded up to 128) x
 the K row bytes, i.e. each K tile read once per query tile of >= 64 rows; tensor-core FLOPs >= 95% of the op's
 declared FLOPs, and the SASS HMMA instructions counted (model v2) x 4096 equal to them; shared-memory bank

@@ -1,9 +1,9 @@
 """Reference of the consumer layer (cupaged/layers.py) and of the demo's tiny decoder: a float64 transcription of
-an autoregressive model's attention module as the seed writes it (one sequence, a dense ``[n_kv_heads,
+an autoregressive model's attention module as NVIDIA's autoregressive attention module (``ar_modules_attention.py``, Apache-2.0: the layer cupaged's was modelled on) writes it (one sequence, a dense ``[n_kv_heads,
 max_seq_len, head_dim]`` cache written at the input positions, K/V repeated over each GQA group, an explicit
 mask, two-pass softmax) -- no paging, no kernel, no online softmax.
 
-Conventions it fixes where the seed leaves them open: ``"cross"`` with a fused wqkv projects the context with
+Conventions it fixes where that module leaves them open: ``"cross"`` with a fused wqkv projects the context with
 wqkv's K/V rows; k-norm applies to the context's keys; the causal mask of ``"self"`` lets a query at position p see
 keys 0..p of its cache.
 """
@@ -18,7 +18,7 @@ __all__ = ["DenseCache", "rms_norm", "attention", "decoder_logits"]
 
 
 class DenseCache:
-    """The seed's per-sequence cache: float64 ``k``, ``v`` ``[n_kv_heads, max_seq_len, head_dim]``."""
+    """That module's per-sequence cache: float64 ``k``, ``v`` ``[n_kv_heads, max_seq_len, head_dim]``."""
 
     def __init__(self, n_kv_heads, max_seq_len, head_dim):
         self.k = np.full((n_kv_heads, max_seq_len, head_dim), np.nan)

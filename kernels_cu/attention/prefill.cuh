@@ -1,0 +1,323 @@
+// attention/prefill.cuh: paged_prefill_kernel<T, KV, HD, VHD>, FlashAttention-2 on tensor cores for the query runs
+// longer than the decode kernels take (q_len > PD_MAX_Q), 16-bit q over flash NHD / HND caches or dense varlen
+// rows (QK 192 / V 128 included).
+//
+// A CTA takes S::ROWS = 128 query rows ((token, head) pairs of one GQA group, token-major, so K/V are read once for
+// the group; 64 when V's head size is over 128), MW = 2 m16 tiles a warp (1 above 128), so every K / V fragment a
+// warp loads serves 2 tiles of rows, and walks their keys in stages of S::TILE through kv_pipeline:
+//   S = Q K^T by mma.sync m16n8k16: Q's A and K's B fragments by ldmatrix from shared tiles whose 16-byte chunks are
+//     XOR-swizzled by row (pf_at): conflict-free without padding;
+//   the online softmax in registers: a lane holds rows g, g + 8 of each of its warp's m tiles, row maxima and sums
+//     over its quad by shuffles; masks (causal, windows, the split's ends, keys past the last) only on tiles not
+//     wholly visible to the warp's rows, and a warp skips the tiles none of its rows sees;
+//   O += P V: the C fragments of S rounded to q's type are P's A fragments as they lie, V's B fragments come by
+//     ldmatrix.trans: FlashAttention-2's accuracy (P in 16 bits; the tolerance table, not the decode ulp rule).
+// fp8 caches land as codes and are converted to q's type in shared memory (exact; .b16 ldmatrix of fp8 pairs would
+// not give 16-bit fragments), their scales folded into the scores' scale and the output. Head sizes below the
+// bucket are zero-filled by the copies (src-size), so the mma sums zeros. Row tiles run heaviest first: the last
+// rows of a causal run see the most keys. Every key a stage holds is visible to some row of the CTA or zero-filled
+// past the last, so a masked row's 0 weight only ever meets real values. 255 registers (2 CTAs an SM at most).
+//
+// Used by:   paged_attention.cu
+// Test:      pytest tests/test_paged_attention.py tests/test_varlen_attention.py tests/test_prefill_traffic.py
+// Benchmark: python profiling/bench_paged_attention.py
+#pragma once
+#include "../common.cuh"
+#include "../softmax.cuh"
+#include "../tensor_core.cuh"
+#include "kv_pipeline.cuh"
+#include "logits.cuh"
+#include "params.cuh"
+
+namespace cupaged {
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of ROW-byte rows (ROW a multiple of 128): the chunk's
+// low 3 bits XOR the row's, so ldmatrix's 8 rows at one chunk hit 8 different 16-byte bank groups.
+template <int ROW>
+__device__ __forceinline__ int pf_at(int row, int chunk) { return row * ROW + ((chunk ^ (row & 7)) << 4); }
+
+template <class CacheT, int HD, int VHD>
+struct PfSmem {
+  static constexpr int MW = VHD > 128 ? 1 : 2;     // m16 tiles a warp: K / V fragments serve MW tiles of rows
+  static constexpr int ROWS = 64 * MW;             // query rows a CTA
+  static constexpr int TILE = HD > 64 ? 32 : 64;   // keys per stage: S is MW x TILE / 8 fragments a lane
+  static constexpr int K_DIMS = HD, V_DIMS = VHD;
+  static constexpr bool PREFETCH = true, VT = false, CONVERT = sizeof(CacheT) == 1;
+  static constexpr int UNROLL = 0;
+  static constexpr int KROW = HD * int(sizeof(CacheT)), VROW = VHD * int(sizeof(CacheT));  // a stage's rows, bytes
+  static constexpr int STAGE = TILE * (KROW + VROW);
+  static constexpr int FIXED = ROWS * HD * 2 + (CONVERT ? TILE * (HD + VHD) * 2 : 0);  // the q and converted tiles
+  static constexpr int STAGES = 3 * STAGE + FIXED <= PF_SMEM_FOR_3 ? 3 : 2;
+  static constexpr int Q = STAGES * STAGE;                  // [ROWS][HD] of q's type (pf_at)
+  static constexpr int CK = Q + ROWS * HD * 2;              // fp8: the stage's K [TILE][HD] and V [TILE][VHD] in q's
+  static constexpr int CV = CK + (CONVERT ? TILE * HD * 2 : 0);  // type (pf_at)
+  static constexpr int BYTES = CV + (CONVERT ? TILE * VHD * 2 : 0);
+  // kv_issue's placement: 16-bit rows swizzled as the mma reads them; fp8 codes plain (pf_convert reads them)
+  static __device__ __forceinline__ int k_at(int j, int c) { return CONVERT ? j * KROW + c * 16 : pf_at<KROW>(j, c); }
+  static __device__ __forceinline__ int v_at(int j, int c) {
+    return TILE * KROW + (CONVERT ? j * VROW + c * 16 : pf_at<VROW>(j, c));
+  }
+  static __device__ __forceinline__ int vt_at(int, int) { return 0; }
+};
+
+// fp8 codes of a stage -> q's type in the swizzled K and V tiles, 8 codes a thread a step (8-byte reads, 16-byte
+// writes: both conflict-free); exact.
+template <int KV, class T, class S>
+__device__ __forceinline__ void pf_convert(unsigned char* ck, unsigned char* cv, const unsigned char* stage) {
+  constexpr int KC = S::K_DIMS / 8, VC = S::V_DIMS / 8;  // 8-element chunks of a row
+  for (int i = threadIdx.x; i < S::TILE * (KC + VC); i += PD_THREADS) {
+    const bool is_v = i >= S::TILE * KC;
+    const int k = i - is_v * S::TILE * KC, j = is_v ? k / VC : k / KC, c = is_v ? k % VC : k % KC;
+    const uint2 codes =
+        *reinterpret_cast<const uint2*>(stage + (is_v ? S::TILE * S::KROW + j * S::VROW : j * S::KROW) + c * 8);
+    const uint4 w = make_uint4(tc_fp8x2<KV, T>(codes.x), tc_fp8x2<KV, T>(codes.x >> 16), tc_fp8x2<KV, T>(codes.y),
+                               tc_fp8x2<KV, T>(codes.y >> 16));
+    *reinterpret_cast<uint4*>(is_v ? cv + pf_at<S::V_DIMS * 2>(j, c) : ck + pf_at<S::K_DIMS * 2>(j, c)) = w;
+  }
+}
+
+// The row tile's q rows into the swizzled q tile, 8 elements a chunk (zero past head_size and past the last row).
+template <class T, int HD, int ROWS>
+__device__ __forceinline__ void pf_load_q(unsigned char* qs, const T* q, int row0, int nrows, int group, int kv_head,
+                                          int q_start, const PaParams& p) {
+  for (int i = threadIdx.x; i < ROWS * HD / 8; i += PD_THREADS) {
+    const int r = i / (HD / 8), c = i % (HD / 8), rr = row0 + r;
+    const T* qrow = q + (q_start + rr / group) * p.q_token_stride + (kv_head * group + rr % group) * p.q_head_stride;
+    unsigned w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = 8 * c + 2 * e;
+      const T zero = from_float<T>(0.0f);
+      w[e] = tc_pack<T>(r < nrows && d < p.head_size ? qrow[d] : zero, r < nrows && d + 1 < p.head_size ? qrow[d + 1]
+                                                                                                           : zero);
+    }
+    *reinterpret_cast<uint4*>(qs + pf_at<HD * 2>(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// S (the warp's MW m16 tiles of rows x TILE keys) = Q K^T: Q's A fragments by ldmatrix (row l % 16 of m tile mi,
+// chunk 2 kk + l / 16), K's B fragments by ldmatrix of its rows (key 16 j + 8 (l / 16) + l % 8, chunk
+// 2 kk + l / 8 % 2: n tiles 2 j, 2 j + 1), each serving the MW m tiles.
+template <class T, int HD, int TILE, int MW>
+__device__ __forceinline__ void pf_scores(float (&s)[MW][TILE / 8][4], const unsigned char* qs,
+                                          const unsigned char* kt, int warp, int lane) {
+  const int qr = 16 * MW * warp + (lane & 15), kr = 8 * (lane >> 4) + (lane & 7);
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    unsigned a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) tc_ldmatrix_x4(a[mi], qs + pf_at<HD * 2>(qr + 16 * mi, 2 * kk + (lane >> 4)));
+#pragma unroll
+    for (int j = 0; j < TILE / 16; ++j) {
+      unsigned b[4];
+      tc_ldmatrix_x4(b, kt + pf_at<HD * 2>(16 * j + kr, 2 * kk + (lane >> 3 & 1)));
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        tc_mma<T>(s[mi][2 * j], a[mi], b[0], b[1]);
+        tc_mma<T>(s[mi][2 * j + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Row g + 8 e of one m tile of scores (keys key0 + 8 n + h, key0 = the tile's first + 2t): the logit step and,
+// when `masked`, the row's visible range (logits.cuh); then the online-softmax step: the scores become P =
+// e^{s - m} (0 where masked: selection), (m, l) move on (l over this lane's keys), and the factor that rescales o
+// is returned. (*) pa_sees written out: through the call ptxas allocates this kernel otherwise (3-7 registers fewer
+// on sm_90, another schedule), a change to its code that moving it here was not meant to make.
+template <int NT>
+__device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, float& l, const PaRow& row, int key0,
+                                            bool masked, float qscale, float softcap) {
+  float mx = neg_inf();
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + 8 * n + h;
+      float x = pa_logit(s[n][2 * e + h], qscale, softcap, row.slope, key, row.pos);
+      if (masked && (key < row.lo || key > row.hi)) x = neg_inf();  // !pa_sees, spelled out (*)
+      s[n][2 * e + h] = x;
+      mx = fmaxf(mx, x);
+    }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float alpha = pa_rescale(m, mx);
+  float sum = 0.0f;
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      s[n][2 * e + h] = softmax_weight(s[n][2 * e + h], m);
+      sum += s[n][2 * e + h];
+    }
+  l = l * alpha + sum;
+  return alpha;
+}
+
+// O += P V over the tile's keys: k step kk of P is S's n tiles 2 kk, 2 kk + 1 rounded to T (the C fragments are the
+// A fragments), V's B fragments by ldmatrix.trans of its rows (key 16 kk + l % 16, chunk 2 j + l / 16: n tiles 2 j,
+// 2 j + 1), each serving the MW m tiles.
+template <class T, int VHD, int TILE, int MW>
+__device__ __forceinline__ void pf_values(float (&o)[MW][VHD / 8][4], const float (&s)[MW][TILE / 8][4],
+                                          const unsigned char* vt, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < TILE / 16; ++kk) {
+    unsigned a[MW][4];
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      const float* x = s[mi][2 * kk];
+      const float* y = s[mi][2 * kk + 1];
+      a[mi][0] = tc_pack<T>(from_float<T>(x[0]), from_float<T>(x[1]));
+      a[mi][1] = tc_pack<T>(from_float<T>(x[2]), from_float<T>(x[3]));
+      a[mi][2] = tc_pack<T>(from_float<T>(y[0]), from_float<T>(y[1]));
+      a[mi][3] = tc_pack<T>(from_float<T>(y[2]), from_float<T>(y[3]));
+    }
+#pragma unroll
+    for (int j = 0; j < VHD / 16; ++j) {
+      unsigned b[4];
+      tc_ldmatrix_x4_trans(b, vt + pf_at<VHD * 2>(16 * kk + (lane & 15), 2 * j + (lane >> 4)));
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        tc_mma<T>(o[mi][2 * j], a[mi], b[0], b[1]);
+        tc_mma<T>(o[mi][2 * j + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// The end of a prefill row tile: each lane's 2 MW rows (their sums over the quad first), written as a split's
+// partials or finished with the sink and the LSE, as pd_store does; o carries the V scale `oscale` still.
+template <class T, int VHD, int MW>
+__device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const float (&m)[MW][2],
+                                         float (&l)[MW][2], const PaRow* rows, int nrows, int split, int num_splits,
+                                         int seq_len, float oscale, T* out, float* lse, float* max_logits,
+                                         float* exp_sums, void* tmp_output, const PaParams& p) {
+  const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      l[mi][e] += __shfl_xor_sync(0xffffffffu, l[mi][e], 1);
+      l[mi][e] += __shfl_xor_sync(0xffffffffu, l[mi][e], 2);
+    }
+#pragma unroll
+  for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = 16 * (MW * warp + mi) + g + 8 * e;
+      if (r >= nrows) continue;
+      const PaRow row = rows[r];
+      const long long th = (long long)row.token * p.num_heads + row.head;
+      const float lv = l[mi][e];
+      const SoftmaxFinish fin = softmax_finish(m[mi][e], lv, row.sink);
+      const float fp = oscale * (lv > 0.0f ? 1.0f / lv : 0.0f), fo = oscale * fin.scale;
+#pragma unroll
+      for (int n = 0; n < VHD / 8; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int d = 8 * n + 2 * t + h;
+          const float x = o[mi][n][2 * e + h];
+          if (d >= p.v_head_size) continue;
+          if (partial)
+            pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, x * fp,
+                                p.partials_in_out_type);
+          if (num_splits == 1) out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] =
+                                   from_float<T>(x * fo);
+        }
+      if (t == 0 && partial) {
+        max_logits[th * p.max_splits + split] = m[mi][e];
+        exp_sums[th * p.max_splits + split] = lv;
+      }
+      if (t == 0 && num_splits == 1 && lse) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
+    }
+}
+
+template <class T, int KV, int HD, int VHD>
+__global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_REGISTERS)) paged_prefill_kernel(
+    const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
+    const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
+    const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+    const int* __restrict__ seqused_k, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
+    void* __restrict__ tmp_output, PaParams p) {  // as paged_decode_kernel's
+  typedef typename CacheType<KV, T>::type CacheT;
+  typedef PfSmem<CacheT, HD, VHD> S;
+  constexpr int TILE = S::TILE, MW = S::MW, ROWS = S::ROWS;
+  extern __shared__ __align__(128) unsigned char pf_smem[];
+  __shared__ PaRow rows[ROWS];
+  __shared__ int ids[S::STAGES][TILE + 1];
+  const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
+  const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
+  if (sq.q_len <= p.decode_max_q || split >= sq.splits.count) return;  // a decode kernel's, or idle
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2;
+  const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
+  const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
+  const int ntiles = (all_rows + ROWS - 1) / ROWS;
+  for (int it = blockIdx.x % p.tiles; it < ntiles; it += p.tiles) {  // p.tiles apart: rows past the hint too
+    const int row0 = (ntiles - 1 - it) * ROWS, nrows = min(ROWS, all_rows - row0);  // heaviest first
+    for (int r = threadIdx.x; r < ROWS; r += PD_THREADS)
+      rows[r] = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+    pf_load_q<T, HD, ROWS>(pf_smem + S::Q, q, row0, nrows, group, kv_head, sq.q_start, p);  // kv_pipeline publishes
+    __syncthreads();
+    int lo = 0x7fffffff, hi = -1;                // the union of the rows' visible keys: the only ones loaded
+    int wlo = 0x7fffffff, whi = -1;              // the union of this warp's rows'
+    int all_lo = 0, all_hi = 0x7fffffff;         // keys every row of this warp sees
+    for (int r = 0; r < nrows; ++r) {
+      const PaRow& row = rows[r];
+      const bool mine = r / (16 * MW) == warp;
+      if (row.lo <= row.hi) {
+        lo = min(lo, row.lo);
+        hi = max(hi, row.hi);
+        if (mine) { wlo = min(wlo, row.lo); whi = max(whi, row.hi); }
+      }
+      if (mine) { all_lo = max(all_lo, row.lo); all_hi = min(all_hi, row.hi); }
+    }
+    float o[MW][VHD / 8][4], m[MW][2], l[MW][2];  // rows g, g + 8 of the warp's m tiles
+#pragma unroll
+    for (int mi = 0; mi < MW; ++mi) {
+      m[mi][0] = m[mi][1] = neg_inf();
+      l[mi][0] = l[mi][1] = 0.0f;
+#pragma unroll
+      for (int n = 0; n < VHD / 8; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
+    }
+    kv_pipeline<S>(pf_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, KvTile tile) {
+      kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    }, [&](const unsigned char* stage, int base) {
+      const unsigned char *kt = stage, *vt = stage + TILE * S::KROW;
+      if constexpr (S::CONVERT) {
+        pf_convert<KV, T, S>(pf_smem + S::CK, pf_smem + S::CV, stage);
+        __syncthreads();  // the converted tiles are in (the pipeline's next barrier precedes the next conversion)
+        kt = pf_smem + S::CK;
+        vt = pf_smem + S::CV;
+      }
+      if (base > whi || base + TILE - 1 < wlo) return;  // none of the warp's rows sees these keys (warp-uniform)
+      float s[MW][TILE / 8][4];
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi)
+#pragma unroll
+        for (int n = 0; n < TILE / 8; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.0f;
+      pf_scores<T, HD, TILE, MW>(s, pf_smem + S::Q, kt, warp, lane);
+      const bool masked = base < all_lo || base + TILE - 1 > all_hi;  // the diagonal, window edges, the last tile
+      const int key0 = base + 2 * (lane & 3);
+#pragma unroll
+      for (int mi = 0; mi < MW; ++mi) {
+        const PaRow* wr = rows + 16 * (MW * warp + mi) + g;
+        const float a0 = pf_softmax(s[mi], 0, m[mi][0], l[mi][0], wr[0], key0, masked, qscale, p.softcap);
+        const float a1 = pf_softmax(s[mi], 1, m[mi][1], l[mi][1], wr[8], key0, masked, qscale, p.softcap);
+#pragma unroll
+        for (int n = 0; n < VHD / 8; ++n) { o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1; }
+      }
+      pf_values<T, VHD, TILE, MW>(o, s, vt, lane);
+    });
+    pf_store<T, VHD, MW>(o, m, l, rows, nrows, split, sq.splits.count, sq.seq_len,
+                         pa_cache_scale<KV>(v_scale, p.v_scale_value, kv_head, p), out, lse, max_logits, exp_sums,
+                         tmp_output, p);
+    __syncthreads();  // the next row tile rewrites rows and the q tile
+  }
+}
+
+}  // namespace cupaged
