@@ -21,6 +21,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
+from cupaged._backend import on_sim  # noqa: E402
 from cupaged.merge_attn_states import merge_attn_states  # noqa: E402
 
 DTYPE_NAMES = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(ml_dtypes.bfloat16): "bf16"}
@@ -28,7 +29,7 @@ DTYPE_NAMES = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dt
 
 def _normal(xp, rng, shape, dtype):
     """Random data made where it lives (GPU-sized outputs would take seconds on the host)."""
-    if xp is np:
+    if on_sim(xp):
         return rng.standard_normal(shape, np.float32).astype(dtype)
     return xp.random.RandomState(0).standard_normal(shape, dtype=np.float32).astype(dtype)
 
