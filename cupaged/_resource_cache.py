@@ -101,7 +101,6 @@ def compile_resources(source: str, name_expressions, arch: str, options=("-std=c
     return sorted(records, key=lambda r: (order.get(r.name_expression, len(order)), r.name_expression))
 
 
-
 @functools.lru_cache(maxsize=None)
 def _code_version() -> str:
     paths = (_nvrtc.__file__, __file__)
