@@ -66,8 +66,8 @@ def kernel_constants() -> dict[str, int]:
     decode's) as the family's source defines them: shapes, the shared bytes each kernel's pipeline stages may
     take, and the registers a thread its __launch_bounds__ allow (of SM_REGISTERS an SM)."""
     return constants(FAMILY.source, "PA_THREADS", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE", "PD_MAX_Q", "PD_ROWS",
-                     "PM_TILE", "PM_ROWS", "MD_HD", "SM_REGISTERS", "PD_REGISTERS", "PF_REGISTERS", "MD_REGISTERS",
-                     "PD_SMEM_FOR_4", "PD_SMEM_FOR_3", "PM_SMEM_FOR_3", "PF_SMEM_FOR_3", "MD_STAGES_16",
+                     "PM_TILE", "PM_ROWS", "MD_HD", "SM_REGISTERS", "PD_REGISTERS", "PM_REGISTERS", "PF_REGISTERS",
+                     "MD_REGISTERS", "PD_SMEM_FOR_4", "PD_SMEM_FOR_3", "PM_SMEM_FOR_3", "PF_SMEM_FOR_3", "MD_STAGES_16",
                      "MD_STAGES_32")
 
 
@@ -183,10 +183,10 @@ def _route(key: PlanKey, kernel: str, tiles: int, threads: int, shared_mem: int,
 def decode_route(key: PlanKey) -> Route:
     """The decode kernel the plan routes short query runs to.
     mla_decode_kernel: 16-bit q over a paged latent cache, every query run (one query at a time per CTA; float32 q
-    is a NotImplementedError). paged_decode_mma_kernel (tiles of 8 query rows): 16-bit q, head size <= 128, GQA
-    groups over 4, or any group over vLLM's values (its V^T tiles feed the tensor cores as they are).
-    paged_decode_kernel (tiles of 4 rows): the rest, float32 q included (the CUDA-core path: the prefill kernel is
-    16-bit)."""
+    is a NotImplementedError). paged_decode_mma_kernel (tiles of 8 query rows): 16-bit q, head size <= 128, every
+    GQA group (>= 2), or any group over vLLM's values (its V^T tiles feed the tensor cores as they are).
+    paged_decode_kernel (tiles of 4 rows): the rest (one query head a KV head, head size 256, float32 q: the
+    CUDA-core path; the prefill kernel is 16-bit)."""
     c = kernel_constants()
     t, kv, itemsize = key.ctype, key.kv_code, key.cache_itemsize
     if key.kind == "mla":
@@ -212,9 +212,9 @@ def decode_route(key: PlanKey) -> Route:
     max_q = ALL_ROWS if every else c["PD_MAX_Q"]
     # Chosen from the model's shape and cache alone (never from the batch's query lengths), so a sequence takes
     # the same kernel in every batch: a fixed kv_split_size keeps its results bitwise the same.
-    if (key.group > c["PD_ROWS"] or vt) and key.q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
+    if (key.group >= 2 or vt) and key.q_dtype.itemsize == 2 and hd in MMA_BUCKETS:
         return _route(key, decode_mma_kernel(t, kv, hd, vt), -(-short * key.group // c["PM_ROWS"]), c["PD_THREADS"],
-                      decode_mma_smem_bytes(itemsize, hd, vt), c["PD_REGISTERS"], max_q)
+                      decode_mma_smem_bytes(itemsize, hd, vt), c["PM_REGISTERS"], max_q)
     return _route(key, decode_kernel(t, kv, hd, vt), -(-short * key.group // c["PD_ROWS"]), c["PD_THREADS"],
                   decode_smem_bytes(itemsize, hd, vt), c["PD_REGISTERS"], max_q)
 

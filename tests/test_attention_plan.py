@@ -13,7 +13,7 @@ import pytest
 
 import cupaged
 from cupaged import reference
-from cupaged._attention_kernels import decode_smem_bytes, kernel_constants, resident_ctas
+from cupaged._attention_kernels import decode_mma_smem_bytes, kernel_constants, resident_ctas
 from cupaged._backend import NOMINAL_SM_SHARED, NOMINAL_SMS
 from cupaged._launch import Launch
 from cupaged._plan import MIN_SPLIT
@@ -38,7 +38,7 @@ def test_plan_once_run_every_layer(backend):
                                   max_query_len=40, max_seq_len=700, kv_split_size=128)
     assert (plan.op, plan.kv_split_size, plan.max_splits, plan.tiles) == ("prefill", 128, 6, 1)  # 40 x 2 rows: one
     prefill, decode = plan.launches                                                                # tile of 128
-    assert "paged_prefill_kernel" in prefill.kernel and "paged_decode_kernel" in decode.kernel
+    assert "paged_prefill_kernel" in prefill.kernel and "paged_decode_mma_kernel" in decode.kernel  # GQA 2
     assert prefill.grid == (1 * 6, 2, 3) and plan.partial_shapes[2] == (44, 4, 6, 64)
     for inputs, _, (ref_out, ref_lse) in layers:
         layer_q = backend.asarray(inputs["q"])
@@ -148,9 +148,10 @@ def test_the_kernel_is_opted_in_for_shared_memory_once(monkeypatch):
     for _ in range(3):
         out = cupaged.paged_attention(**inputs, **options)
         assert_close(out, ref_out, F16, "out")
-    # a decode batch: the decode kernel alone, its pipeline stages (4 x 32 fp16 K/V rows of the 64 bucket)
-    assert sets == [("max_dynamic_shared_size_bytes", decode_smem_bytes(2, 64))] == [
-        ("max_dynamic_shared_size_bytes", 4 * 2 * 32 * 64 * 2)]
+    # a decode batch (GQA 2: on tensor cores): the decode kernel alone, its pipeline stages (3 x 64 fp16 K and V
+    # rows of the 64 bucket, each padded by 16 bytes)
+    assert sets == [("max_dynamic_shared_size_bytes", decode_mma_smem_bytes(2, 64))] == [
+        ("max_dynamic_shared_size_bytes", 3 * 2 * 64 * (64 * 2 + 16))]
 
 
 def test_memoized_views_and_plans_tell_layouts_apart():
@@ -181,18 +182,19 @@ def test_memoized_views_and_plans_tell_layouts_apart():
 
 def test_a_plan_holds_its_launches_in_order_and_its_merge():
     """A plan's main kernels are Launch values in launch order (paged_prefill_kernel for the long runs, then the decode
-    kernel), each grid's x its row tiles times max_splits; the merge is a Launch when the plan splits, else None."""
+    kernel: GQA 2 on tensor cores), each grid's x its row tiles times max_splits; the merge is a Launch when the plan
+    splits, else None."""
     q, cache = np.empty((44, 4, 64), F16), np.empty((1, 16, 2, 64), F16)
     kv = cupaged.KvView.paged(cache, cache, q)
     args = (q, kv, np.empty((3, 44), np.int32), np.empty(3, np.int32), np.empty(4, np.int32))
     plan = cupaged.plan_attention(*args, max_query_len=40, kv_split_size=128)
     c = kernel_constants()
     prefill, decode = plan.launches
-    assert (plan.tiles, plan.decode_tiles, plan.max_splits) == (1, 8, 6)  # 40 x 2 rows in 128; 16 x 2 in 4s
+    assert (plan.tiles, plan.decode_tiles, plan.max_splits) == (1, 4, 6)  # 40 x 2 rows in 128; 16 x 2 in 8s
     assert prefill == Launch("cupaged::paged_prefill_kernel<__half, cupaged::KV_AUTO, 64, 64>", (1 * 6, 2, 3),
                              (c["PD_THREADS"], 1, 1), prefill.shared_mem)
-    assert decode == Launch("cupaged::paged_decode_kernel<__half, cupaged::KV_AUTO, 64, false>", (8 * 6, 2, 3),
-                            (c["PD_THREADS"], 1, 1), decode_smem_bytes(2, 64))
+    assert decode == Launch("cupaged::paged_decode_mma_kernel<__half, cupaged::KV_AUTO, 64, false>", (4 * 6, 2, 3),
+                            (c["PD_THREADS"], 1, 1), decode_mma_smem_bytes(2, 64))
     assert plan.merge == Launch("cupaged::paged_attention_reduce_kernel<__half>", (44, 4, 1), (c["PA_THREADS"], 1, 1))
     with pytest.raises(dataclasses.FrozenInstanceError):
         prefill.grid = (1, 1, 1)
@@ -248,7 +250,8 @@ def test_run_launches_the_plans_launches_then_its_merge(monkeypatch):
 def _decode_waves(plan) -> float:
     """The plan's decode grid in waves of the decode kernel's resident CTAs on the sim's nominal H200."""
     (decode,) = plan.launches
-    per_sm = resident_ctas(decode.block[0], decode.shared_mem, NOMINAL_SM_SHARED, kernel_constants()["PD_REGISTERS"])
+    budget = kernel_constants()["PM_REGISTERS" if "decode_mma" in decode.kernel else "PD_REGISTERS"]
+    per_sm = resident_ctas(decode.block[0], decode.shared_mem, NOMINAL_SM_SHARED, budget)
     return math.prod(decode.grid) / (NOMINAL_SMS * per_sm)
 
 

@@ -114,7 +114,7 @@ def test_params_struct_and_shared_memory_match_the_kernel():
 def test_routes_occupancy_matches_the_kernels_launch_bounds():
     """Each routed kernel's block is its __launch_bounds__' threads, and the CTAs the plan counts resident on an SM
     (registers and threads alone) are the minimum its __launch_bounds__ asks for: the register budget Python reads
-    (PD_REGISTERS, PF_REGISTERS, MD_REGISTERS of SM_REGISTERS) is the one the kernel is compiled under."""
+    (PD_REGISTERS, PM_REGISTERS, PF_REGISTERS, MD_REGISTERS of SM_REGISTERS) is the one the kernel is compiled under."""
     values = _probed()[len(_mirrored()):]
     for route, threads, min_ctas in zip(_routes(), values[::2], values[1::2]):
         assert route.launch.block == (threads, 1, 1), route.launch.kernel

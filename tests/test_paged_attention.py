@@ -109,7 +109,7 @@ COVERING = [
     C(heads=(40, 40), head_size=64, block_size=16, seqs=((1, 40), (7, 30))),
     C(heads=(64, 8), head_size=128, block_size=32, seqs=((1, 70), (4, 33)), dtype=BF16),
     C(heads=(64, 8), head_size=64, block_size=16, seqs=((1, 100),) * 3),
-    # GQA groups over 4 (paged_decode_mma_kernel): every mask, fp8 with per-head scales, a head size that is
+    # GQA groups (paged_decode_mma_kernel): every mask, fp8 with per-head scales, a head size that is
     # not a multiple of 16, splits, and groups of 6 whose row tiles of 8 span two tokens
     C(heads=(8, 1), seqs=SHAPE_DECODE, window=64, sinks=True, alibi=True, softcap=50.0, dtype=BF16),
     C(heads=(8, 1), kv_cache_dtype="fp8_e4m3", per_head_scales=True, seqs=SHAPE_DECODE, layout="HND"),

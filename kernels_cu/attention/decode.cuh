@@ -30,11 +30,9 @@ struct PdSmem {
   static constexpr int TILE = sizeof(CacheT) == 4 && HD == 256 ? 16 : PD_TILE;  // keys a stage (16: 3 stages < 99 KB)
   static constexpr int PITCH = HD * int(sizeof(CacheT));                  // K (and V) rows' bytes
   static constexpr int K_DIMS = HD, V_DIMS = HD;
-  static constexpr bool PREFETCH = true;                                  // block ids a tile ahead (kv_pipeline)
+  static constexpr bool PREFETCH = true;                                  // table entries a tile ahead (kv_pipeline)
   static constexpr bool VT = V_TRANSPOSED;  // vLLM's values: V^T rows of TILE keys (+16 bytes), read down a column
   static constexpr int VT_PITCH = TILE * int(sizeof(CacheT)) + 16;
-  static constexpr int UNROLL = sizeof(CacheT) == 4 ? 1 : 0;  // kv_issue's loop (0: the compiler's choice); float32
-                                                              // not unrolled: its copies' addresses would spill
   static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);  // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= PD_SMEM_FOR_4 ? 4 : 3 * STAGE <= PD_SMEM_FOR_3 ? 3 : 2;
   static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;                // per warp: m, l, o of each row
@@ -220,7 +218,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
   constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROWS = PD_ROWS, TILE = S::TILE;
   extern __shared__ __align__(16) unsigned char pd_smem[];
   __shared__ PaRow rows[ROWS];
-  __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
+  __shared__ KvRows<TILE> kv_rows[S::STAGES];  // each stage's row offsets
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads;
@@ -251,8 +249,9 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
       if (threadIdx.x == 0) rows[r] = row;
     }
     const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
-    kv_pipeline<S>(pd_smem, ids, table, first, hi, p, [&](unsigned char* stage, const int* tile_ids, KvTile tile) {
-      kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    kv_pipeline<S>(pd_smem, kv_rows, table, sq.key_row0, first, hi, p,
+                   [&](unsigned char* stage, const KvRows<TILE>& tile_rows, KvTile tile) {
+      kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const bool all_see = base >= lo_all && base + TILE - 1 <= hi_all;
       for (int j = warp * (TILE / 4) + slot; j < (warp + 1) * (TILE / 4); j += SLOTS)

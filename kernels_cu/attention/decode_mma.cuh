@@ -1,6 +1,6 @@
 // attention/decode_mma.cuh: paged_decode_mma_kernel<T, KV, HD, VT>, decode on tensor cores for tiles of 8 query
-// rows: GQA groups over 4, or any group over vLLM's layout (VT: its V^T tiles are the A operand as they lie);
-// 16-bit q, head sizes up to 128. The plan sends float32, head size 256 and the other groups of <= 4 to
+// rows: every GQA group (>= 2), or any group over vLLM's layout (VT: its V^T tiles are the A operand as they lie);
+// 16-bit q, head sizes up to 128. The plan sends float32, head size 256 and one query head a KV head to
 // paged_decode_kernel: a choice from the model's shape and cache, never the batch's, so a sequence takes the same
 // kernel in every batch.
 //
@@ -42,7 +42,6 @@ struct PmSmem {
   static constexpr int VT_PITCH = !VT ? 0 : sizeof(CacheT) == 1 ? TILE : TILE * 2 + 16;  // V^T rows (kv_vt_col)
   static constexpr int K_DIMS = HD, V_DIMS = HD;
   static constexpr bool PREFETCH = true;
-  static constexpr int UNROLL = 0;  // kv_issue's loop: the compiler's choice
   static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);
   static constexpr int STAGES = 3 * STAGE <= PM_SMEM_FOR_3 ? 3 : 2;
   static constexpr int MERGE = 4 * PM_ROWS * (HD + 2) * 4;
@@ -217,7 +216,7 @@ __device__ __forceinline__ void pm_finish(unsigned char* smem, const float (&o)[
 }
 
 template <class T, int KV, int HD, bool VT>
-__global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_REGISTERS)) paged_decode_mma_kernel(
+__global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_REGISTERS)) paged_decode_mma_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size <= 128]
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // as paged_decode_kernel's
     const typename CacheType<KV, T>::type* __restrict__ value_cache,
@@ -232,7 +231,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
   constexpr int MT = HD / 16, ROWS = PM_ROWS, PARTS = TcHalf<PV>::value ? 2 : 3;
   extern __shared__ __align__(16) unsigned char pd_smem[];
   __shared__ PaRow rows[ROWS];
-  __shared__ int ids[S::STAGES][S::TILE + 1];
+  __shared__ KvRows<S::TILE> kv_rows[S::STAGES];
   __shared__ __align__(8) float pt[4][160];  // each warp's P^T (pm_at)
   __shared__ __align__(16) T qs[PM_ROWS][HD + 8];  // the tile's q rows (+8: ldmatrix conflict-free)
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
@@ -260,8 +259,9 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
     const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
-    kv_pipeline<S>(pd_smem, ids, table, first, hi, p, [&](unsigned char* stage, const int* tile_ids, KvTile tile) {
-      kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    kv_pipeline<S>(pd_smem, kv_rows, table, sq.key_row0, first, hi, p,
+                   [&](unsigned char* stage, const KvRows<S::TILE>& tile_rows, KvTile tile) {
+      kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const int key0 = base + 16 * warp;
       if (key0 > hi) return;  // the warp's keys are all past the last (warp-uniform)

@@ -2,13 +2,15 @@
 // paged_decode_kernel, paged_decode_mma_kernel, paged_prefill_kernel and mla_decode_kernel.
 //
 // Tiles stay in their storage dtype (fp8 codes included): 2-4 stages of S::TILE keys, STAGES - 1 tiles in flight,
-// each tile's block-table entries read a tile ahead. Rows that are not 16-byte aligned are copied element by
-// element; keys past a tile's last and dimensions past the head size are zero-filled (src-size 0: never read), so
-// a 0 weight never meets garbage and the tensor cores sum zeros over a head-size bucket's padding.
+// each tile's block-table entries read a tile ahead and turned into its keys' row offsets once (KvRows), so
+// the 16-byte copies cost a handful of instructions each: a shared load, a 64-bit add, the copy. Rows that are not
+// 16-byte aligned are copied element by element; keys past a tile's last and dimensions past the head size are
+// zero-filled (src-size 0: never read), so a 0 weight never meets garbage and the tensor cores sum zeros over a
+// head-size bucket's padding.
 //
 // The stage layout concept. A kernel describes its stages by a struct S of static members (PdSmem, PmSmem,
 // PfSmem, MdSmem):
-//   kv_pipeline reads  TILE      keys a stage (ids: int[STAGES][TILE + 1], a tile's block-table entries)
+//   kv_pipeline reads  TILE      keys a stage (the kernel holds KvRows<TILE>[STAGES], a stage's row offsets)
 //                      STAGES    stages (STAGES - 1 tiles in flight while one is consumed)
 //                      STAGE     a stage's bytes: stage i starts at smem + i * STAGE
 //                      PREFETCH  read the next tile's block ids into a register while this one is consumed
@@ -16,10 +18,9 @@
 //   kv_issue reads     K_DIMS, V_DIMS     the K and V row capacities in elements (the head-size buckets)
 //                      VT        values arrive as vLLM's V^T ([.., head_size, block_size]): runs of X keys of
 //                                one dimension, X = 16 / sizeof(element)
-//                      UNROLL    its copy loop's unroll (0: the compiler's choice)
 //                      k_at(j, c), v_at(j, c)  byte offsets in a stage of 16-byte chunk c of key j's K, V row
 //                      vt_at(run, dim)         byte offset of X-key run `run` of V^T row `dim`
-// (MdSmem issues its latent rows itself, md_issue, and provides only kv_pipeline's members.)
+// (MdSmem's latent rows go through kv_issue_rows alone, md_issue; it provides only kv_pipeline's members.)
 //
 // Used by:   decode.cuh, decode_mma.cuh, prefill.cuh, mla_decode.cuh
 // Test:      pytest tests/test_decode_traffic.py tests/test_prefill_traffic.py (each visible byte read once, in
@@ -40,25 +41,53 @@ __device__ __forceinline__ void kv_copy16(void* dst, const void* src, int bytes)
 template <class CacheT, int X, class Src>
 __device__ __forceinline__ void kv_copy_elems(unsigned char* dst, int n, Src&& src) {
   CacheT* d = reinterpret_cast<CacheT*>(dst);
-#pragma unroll 1
+#pragma unroll
   for (int e = 0; e < X; ++e) d[e] = e < n ? *src(e) : CacheT();
 }
 
-// Tile u of a CTA's keys lo..hi: its first key, its key count and the block-table entries it spans.
+// Tile u of a CTA's keys lo..hi: its first key and its key count.
 struct KvTile {
-  int base, n, first_block, blocks;
+  int base, n;
 };
 
 template <int TILE>
-__device__ __forceinline__ KvTile kv_tile(int lo, int hi, int u, int block_size) {
-  const int base = lo + u * TILE, n = min(TILE, hi - base + 1);
-  const int first = base / block_size;
-  return {base, n, first, (base + n - 1) / block_size - first + 1};
+__device__ __forceinline__ KvTile kv_tile(int lo, int hi, int u) {
+  const int base = lo + u * TILE;
+  return {base, min(TILE, hi - base + 1)};
 }
 
-// The block-table entry holding key `pos`: a shift when the block size is a power of two, else a division.
+// A stage's rows: for each key j of its tile, the element offsets of the key's K and V rows from key_cache and
+// value_cache at kv head 0 (its block's base plus its place in the block; 0 past the tile's last key, a real row
+// that the zero-filling copies never read). Written once per tile by the tile's key threads, so a copy costs a
+// shared load and an add: no block-table lookup, no division by block_size, no 64-bit product per copy. V's are
+// skewed by one every 8 keys, so the V^T runs' first keys (8 or 16 apart: the same bank unskewed) are read by a
+// warp's lanes without conflicts.
+template <int TILE, bool V = true>  // V false: MLA's latent rows, K and V one row
+struct KvRows {
+  static constexpr bool HAS_V = V;
+  long long k[TILE], v[V ? TILE + TILE / 8 : 1];
+  __device__ __forceinline__ long long& v_at(int j) { return v[j + (j >> 3)]; }
+  __device__ __forceinline__ long long v_at(int j) const { return v[j + (j >> 3)]; }
+};
+
+// The block-table entry that holds key `pos`: a shift when the block size is a power of two, else a division.
 __device__ __forceinline__ int kv_block_of(int pos, const PaParams& p) {
   return p.block_shift >= 0 ? pos >> p.block_shift : pos / p.block_size;
+}
+
+// Key `pos`'s rows into rows.k[j], rows.v[j]: in block `block` (its table entry) of a paged cache, or row
+// key_row0 + pos of dense rows (table nullptr); 0 past hi.
+template <class Rows>
+__device__ __forceinline__ void kv_place(Rows& rows, int j, int pos, int hi, int block, bool paged, long long key_row0,
+                                         const PaParams& p) {
+  long long k = 0, v = 0;
+  if (pos <= hi) {
+    const long long row = paged ? pos - kv_block_of(pos, p) * p.block_size : key_row0 + pos;
+    k = (paged ? block * p.k_block_stride : 0) + row * p.k_page_stride;
+    v = (paged ? block * p.v_block_stride : 0) + row * p.v_page_stride;
+  }
+  rows.k[j] = k;
+  if constexpr (Rows::HAS_V) rows.v_at(j) = v;
 }
 
 // Byte offset of the 16-byte run `run` in V^T row `dim`: an fp8 row holds the 4 runs of a 64-key tile unpadded,
@@ -69,82 +98,119 @@ __device__ __forceinline__ int kv_vt_col(int run, int dim) {
   return X == 16 ? ((run ^ dim >> 1) & 3) * 16 : run * 16;
 }
 
-// Issue the copies of tile `tile` into one stage laid out by S: TILE K rows of S::K_DIMS (every 16-byte chunk c of
-// key j at S::k_at(j, c)), then the V tile: TILE V rows of S::V_DIMS like K's (at S::v_at(j, c)) or, for S::VT,
-// V^T: V_DIMS rows of TILE keys, 16 bytes (X keys of one dimension) a copy at S::vt_at(run, dim), from a tile base
-// that is a multiple of X in blocks of whole X-key runs. `ids`: the tile's block ids (ids[b] = block of table
-// entry first_block + b), nullptr for dense rows. The CTA's PD_THREADS threads share the copies.
-template <class CacheT, class S>
-__device__ __forceinline__ void kv_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
-                                         const int* ids, KvTile tile, long long key_row0, int kv_head,
-                                         const PaParams& p) {
-  constexpr int X = 16 / int(sizeof(CacheT)), TILE = S::TILE, KC = S::K_DIMS / X;
-  constexpr int COPIES = TILE * KC + TILE * S::V_DIMS / X;  // K's, then V's (V_DIMS rows of TILE / X runs for V^T)
-  auto at = [&](bool is_v, int j, int c) {  // element c of key j's K row (X-element chunk c), V row or V^T column
-    const int pos = tile.base + j, b = kv_block_of(pos, p);
-    const long long block = ids ? ids[b - tile.first_block] : 0;
-    const long long off = ids ? pos - b * p.block_size : key_row0 + pos;
-    return !is_v ? key_cache + block * p.k_block_stride + kv_head * p.k_head_stride + c / X * p.k_chunk_stride +
-                       off * p.k_page_stride + c % X
-                 : value_cache + block * p.v_block_stride + kv_head * p.v_head_stride + off * p.v_page_stride +
-                       c * p.v_dim_stride;
-  };
-  auto copy = [&](int i) {
-    const bool is_v = i >= TILE * KC, vt = S::VT && is_v;
-    const int k = i - is_v * TILE * KC, vc = S::V_DIMS / X;
-    const int j = vt ? k % (TILE / X) * X : is_v ? k / vc : k / KC;  // key
-    const int c = vt ? k / (TILE / X) : is_v ? k % vc : k % KC;      // chunk, or V^T's dimension
-    const int dims = is_v ? p.v_head_size : p.head_size;
-    const int n = j >= tile.n ? 0 : vt ? (c < dims ? min(X, tile.n - j) : 0) : min(max(dims - c * X, 0), X);
-    unsigned char* dst = stage + (vt ? S::vt_at(j / X, c) : is_v ? S::v_at(j, c) : S::k_at(j, c));
-    if (is_v ? p.vec_v : p.vec_k) {  // one cp.async: 16-byte aligned rows, V^T runs of X keys within a block
-      kv_copy16(dst, n ? at(is_v, j, vt ? c : c * X) : key_cache, n * int(sizeof(CacheT)));
-    } else {  // element by element: a view at an odd offset, fp8 rows of 72 bytes, V^T runs across blocks
-      kv_copy_elems<CacheT, X>(dst, n, [&](int e) { return vt ? at(true, j + e, c) : at(is_v, j, c * X + e); });
+// The copies of one operand's rows (K, V, or MLA's latent rows) of a tile of n keys: chunk c (X elements) of key
+// j's row goes to stage + at(j, c) from src + row(j) + c * cs (element e of it at + e * es); DIMS elements a row
+// of which the first `dims` are real (the rest zero-filled). THREADS threads share the TILE x DIMS / X copies.
+// The 16-byte path is branch-free: a thread's chunk is the same in every row it copies when THREADS is a
+// multiple of the chunks a row (its rows THREADS / chunks apart), so its byte count and source column are fixed.
+template <class CacheT, int TILE, int DIMS, int THREADS, class Row, class At>
+__device__ __forceinline__ void kv_issue_rows(unsigned char* stage, const CacheT* src, Row&& row, long long cs,
+                                              long long es, int dims, bool vec, int n, At&& at) {
+  constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = DIMS / X, COPIES = TILE * CHUNKS;
+  constexpr int PER = (COPIES + THREADS - 1) / THREADS, STEP = THREADS % CHUNKS == 0 ? THREADS / CHUNKS : 0;
+  if (vec && STEP) {
+    const int c = threadIdx.x % CHUNKS, j0 = threadIdx.x / CHUNKS;
+    const int bytes = min(max(dims - c * X, 0), X) * int(sizeof(CacheT));
+    const CacheT* from = bytes ? src + c * cs : src;
+#pragma unroll
+    for (int s = 0; s < PER; ++s) {
+      const int j = j0 + s * STEP;
+      if (COPIES % THREADS == 0 || j < TILE) kv_copy16(stage + at(j, c), from + row(j), j < n ? bytes : 0);
     }
-  };
-  if constexpr (S::UNROLL > 0) {  // the copies' addresses live at once while q and o are: a register budget
-#pragma unroll S::UNROLL
-    for (int i = threadIdx.x; i < COPIES; i += PD_THREADS) copy(i);
-  } else {
-    for (int i = threadIdx.x; i < COPIES; i += PD_THREADS) copy(i);
+  } else if (vec) {  // chunks that do not divide the threads (head 192, MLA's 576): a division by a constant
+    for (int i = threadIdx.x; i < COPIES; i += THREADS) {
+      const int j = i / CHUNKS, c = i % CHUNKS;
+      const int bytes = j < n ? min(max(dims - c * X, 0), X) * int(sizeof(CacheT)) : 0;
+      kv_copy16(stage + at(j, c), bytes ? src + row(j) + c * cs : src, bytes);
+    }
+  } else {  // element by element: a view at an odd offset, fp8 rows of 72 bytes
+    for (int i = threadIdx.x; i < COPIES; i += THREADS) {
+      const int j = i / CHUNKS, c = i % CHUNKS;
+      const CacheT* from = src + row(j) + c * cs;
+      kv_copy_elems<CacheT, X>(stage + at(j, c), j < n ? min(max(dims - c * X, 0), X) : 0,
+                               [&](int e) { return from + e * es; });
+    }
   }
 }
 
-// The pipeline over a CTA's keys lo..hi: issue(stage, ids, tile) starts a tile's copies (ids: its block ids,
-// nullptr for dense rows), consume(stage, first key) runs on every tile once all of its copies have landed. The
-// barriers wait only for copies issued stages ago.
-template <class S, class Issue, class Consume>
-__device__ __forceinline__ void kv_pipeline(unsigned char* smem, int (*ids)[S::TILE + 1], const int* table, int lo,
-                                            int hi, const PaParams& p, Issue&& issue, Consume&& consume) {
-  const int ntiles = hi >= lo ? (hi - lo) / S::TILE + 1 : 0;
-  for (int u = 0; table && u < S::STAGES - 1 && u < ntiles; ++u) {  // the first tiles' block ids
-    const KvTile tile = kv_tile<S::TILE>(lo, hi, u, p.block_size);
-    if (threadIdx.x < tile.blocks) ids[u][threadIdx.x] = table[tile.first_block + threadIdx.x];
+// vLLM's values as V^T: V_DIMS rows of TILE keys, 16 bytes (a run of X keys of one dimension) a copy at
+// S::vt_at(run, dim), from a tile base that is a multiple of X. With 16-byte runs (runs within a block) a thread
+// keeps one run, so its run's row offset and byte count are read once a tile; else element by element (runs
+// across blocks: each key's own row).
+template <class CacheT, class S, class Rows>
+__device__ __forceinline__ void kv_issue_vt(unsigned char* stage, const CacheT* src, const Rows& rows, int n,
+                                            const PaParams& p) {
+  constexpr int X = 16 / int(sizeof(CacheT)), RUNS = S::TILE / X, COPIES = S::V_DIMS * RUNS;
+  static_assert(PD_THREADS % RUNS == 0 && COPIES % PD_THREADS == 0, "a thread keeps one run of every tile");
+  const int run = threadIdx.x % RUNS, dim0 = threadIdx.x / RUNS, keys = min(max(n - run * X, 0), X);
+  if (p.vec_v) {
+    const CacheT* from = src + rows.v_at(run * X) + dim0 * p.v_dim_stride;
+#pragma unroll
+    for (int s = 0; s < COPIES / PD_THREADS; ++s) {
+      const int dim = dim0 + s * (PD_THREADS / RUNS);
+      kv_copy16(stage + S::vt_at(run, dim), from, dim < p.v_head_size ? keys * int(sizeof(CacheT)) : 0);
+      from += PD_THREADS / RUNS * p.v_dim_stride;
+    }
+  } else {
+    for (int dim = dim0; dim < S::V_DIMS; dim += PD_THREADS / RUNS)
+      kv_copy_elems<CacheT, X>(stage + S::vt_at(run, dim), dim < p.v_head_size ? keys : 0,
+                               [&](int e) { return src + rows.v_at(run * X + e) + dim * p.v_dim_stride; });
   }
+}
+
+// Issue the copies of a tile of n keys into one stage laid out by S: TILE K rows of S::K_DIMS (chunk c of key j at
+// S::k_at(j, c)), then the V tile: TILE V rows of S::V_DIMS like K's (at S::v_at(j, c)) or, for S::VT, V^T
+// (kv_issue_vt). `rows`: the stage's KvRows. The CTA's PD_THREADS threads share the copies.
+template <class CacheT, class S>
+__device__ __forceinline__ void kv_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
+                                         const KvRows<S::TILE>& rows, KvTile tile, int kv_head, const PaParams& p) {
+  constexpr int X = 16 / int(sizeof(CacheT));
+  kv_issue_rows<CacheT, S::TILE, S::K_DIMS, PD_THREADS>(
+      stage, key_cache + kv_head * p.k_head_stride, [&](int j) { return rows.k[j]; }, p.k_chunk_stride, 1,
+      p.head_size, p.vec_k, tile.n, [](int j, int c) { return S::k_at(j, c); });
+  if constexpr (S::VT) {
+    kv_issue_vt<CacheT, S>(stage, value_cache + kv_head * p.v_head_stride, rows, tile.n, p);
+  } else {
+    kv_issue_rows<CacheT, S::TILE, S::V_DIMS, PD_THREADS>(
+        stage, value_cache + kv_head * p.v_head_stride, [&](int j) { return rows.v_at(j); }, X * p.v_dim_stride,
+        p.v_dim_stride, p.v_head_size, p.vec_v, tile.n, [](int j, int c) { return S::v_at(j, c); });
+  }
+}
+
+// The pipeline over a CTA's keys lo..hi: issue(stage, rows, tile) starts a tile's copies, consume(stage, first
+// key) runs on every tile once all of its copies have landed. A tile's KvRows are placed before the barrier that
+// precedes its issue (its table entries read a tile ahead with S::PREFETCH). The barriers wait only for copies
+// issued stages ago. `table`: the sequence's block-table row, nullptr for dense rows (from key_row0).
+template <class S, class Rows, class Issue, class Consume>
+__device__ __forceinline__ void kv_pipeline(unsigned char* smem, Rows* rows, const int* table,
+                                            long long key_row0, int lo, int hi, const PaParams& p, Issue&& issue,
+                                            Consume&& consume) {
+  constexpr int TILE = S::TILE;
+  const int ntiles = hi >= lo ? (hi - lo) / TILE + 1 : 0, j = threadIdx.x;
+  auto entry = [&](int u) {  // the table entry of this thread's key of tile u (0 past hi, or for dense rows)
+    const int pos = lo + u * TILE + j;
+    return table && j < TILE && u < ntiles && pos <= hi ? table[kv_block_of(pos, p)] : 0;
+  };
+  auto place = [&](int u, int block) {
+    if (j < TILE) kv_place(rows[u % S::STAGES], j, lo + u * TILE + j, hi, block, table != nullptr, key_row0, p);
+  };
+  for (int u = 0; u < S::STAGES - 1 && u < ntiles; ++u) place(u, entry(u));  // the first tiles' rows
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < S::STAGES - 1; ++u) {  // the prologue: STAGES - 1 tiles in flight
-    if (u < ntiles) issue(smem + u * S::STAGE, table ? ids[u] : nullptr, kv_tile<S::TILE>(lo, hi, u, p.block_size));
+    if (u < ntiles) issue(smem + u * S::STAGE, rows[u], kv_tile<TILE>(lo, hi, u));
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
-  int next_id = 0;  // a block id of tile STAGES - 1 + t, fetched while tile t - 1 is consumed (S::PREFETCH)
-  const KvTile first_next = kv_tile<S::TILE>(lo, hi, S::STAGES - 1, p.block_size);
-  if (S::PREFETCH && table && S::STAGES - 1 < ntiles && threadIdx.x < first_next.blocks)
-    next_id = table[first_next.first_block + threadIdx.x];
+  int next_entry = S::PREFETCH ? entry(S::STAGES - 1) : 0;  // tile STAGES - 1 + t's, read while t - 1 is consumed
   for (int t = 0; t < ntiles; ++t) {
     const int next = t + S::STAGES - 1;
-    const KvTile tile = kv_tile<S::TILE>(lo, hi, next, p.block_size);
-    if (table && next < ntiles && threadIdx.x < tile.blocks)
-      ids[next % S::STAGES][threadIdx.x] = S::PREFETCH ? next_id : table[tile.first_block + threadIdx.x];
+    if (next < ntiles) place(next, S::PREFETCH ? next_entry : entry(next));
     asm volatile("cp.async.wait_group %0;\n" ::"n"(S::STAGES - 2) : "memory");  // tile t's copies landed
-    __syncthreads();  // everyone's landed (and the ids above are visible); tile t - 1's stage is free again
-    if (next < ntiles) issue(smem + next % S::STAGES * S::STAGE, table ? ids[next % S::STAGES] : nullptr, tile);
+    __syncthreads();  // everyone's landed (and the rows above are visible); tile t - 1's stage is free again
+    if (next < ntiles) issue(smem + next % S::STAGES * S::STAGE, rows[next % S::STAGES], kv_tile<TILE>(lo, hi, next));
     asm volatile("cp.async.commit_group;\n" ::: "memory");
-    const KvTile after = kv_tile<S::TILE>(lo, hi, next + 1, p.block_size);
-    if (S::PREFETCH && table && next + 1 < ntiles && threadIdx.x < after.blocks)
-      next_id = table[after.first_block + threadIdx.x];
-    consume(smem + t % S::STAGES * S::STAGE, lo + t * S::TILE);
+    if (S::PREFETCH) next_entry = entry(next + 1);
+    consume(smem + t % S::STAGES * S::STAGE, lo + t * TILE);
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }

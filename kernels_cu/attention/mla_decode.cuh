@@ -52,28 +52,14 @@ struct MdSmem {
   static constexpr int BYTES = STATE + 3 * ROWS * 4;
 };
 
-// Issue tile `tile`'s latent rows into a stage; rows past tile.n and bytes past head_size are zero-filled.
-template <class CacheT, int ROW>
-__device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_cache, const int* ids, KvTile tile,
-                                         const PaParams& p) {
-  constexpr int X = 16 / int(sizeof(CacheT)), CHUNKS = MD_HD / X;
-  for (int i = threadIdx.x; i < PD_TILE * CHUNKS; i += blockDim.x) {
-    const int j = i / CHUNKS, c = i - j * CHUNKS;
-    const CacheT* src = kv_cache;
-    int bytes = 0;
-    if (j < tile.n) {
-      const int pos = tile.base + j;
-      const int b = kv_block_of(pos, p);
-      src += (long long)ids[b - tile.first_block] * p.k_block_stride + (pos - b * p.block_size) * p.k_page_stride +
-             c * X;
-      bytes = min(max(p.head_size - c * X, 0), X) * int(sizeof(CacheT));
-    }
-    if (p.vec_k) {
-      kv_copy16(stage + j * ROW + c * 16, bytes ? src : kv_cache, bytes);
-    } else {  // rows not 16-byte aligned: element by element
-      kv_copy_elems<CacheT, X>(stage + j * ROW + c * 16, bytes / int(sizeof(CacheT)), [&](int e) { return src + e; });
-    }
-  }
+// Issue tile `tile`'s latent rows into a stage (row j at j * ROW); rows past tile.n and bytes past head_size are
+// zero-filled.
+template <class CacheT, int ROW, int THREADS>
+__device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_cache,
+                                         const KvRows<PD_TILE, false>& rows, KvTile tile, const PaParams& p) {
+  kv_issue_rows<CacheT, PD_TILE, MD_HD, THREADS>(stage, kv_cache, [&](int j) { return rows.k[j]; },
+                                                 16 / int(sizeof(CacheT)), 1, p.head_size, p.vec_k, tile.n,
+                                                 [](int j, int c) { return j * ROW + c * 16; });
 }
 
 // fp8 stage -> the 16-bit tile, 8 codes a thread (8-byte reads, 16-byte writes: conflict-free); exact.
@@ -252,7 +238,7 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
   typedef MdSmem<CacheT, MT> S;
   constexpr int MW = MT == 1 ? 1 : 2, NC = 16 / MW;  // P V: m tiles and n8 column tiles of a warp
   extern __shared__ __align__(16) unsigned char md_smem[];
-  __shared__ int ids[S::STAGES][S::TILE + 1];  // block ids of the tile in each stage
+  __shared__ KvRows<PD_TILE, false> kv_rows[S::STAGES];  // each stage's row offsets
   const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, tile = blockIdx.x % p.decode_tiles;
   const int head_tiles = (p.num_heads + S::ROWS - 1) / S::ROWS, head0 = tile % head_tiles * S::ROWS;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
@@ -294,8 +280,9 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
     for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
       for (int n = 0; n < NC; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
-    kv_pipeline<S>(md_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, KvTile t) {
-      md_issue<CacheT, S::ROW>(stage, key_cache, tile_ids, t, p);
+    kv_pipeline<S>(md_smem, kv_rows, table, 0, lo, hi, p,
+                   [&](unsigned char* stage, const KvRows<PD_TILE, false>& tile_rows, KvTile t) {
+      md_issue<CacheT, S::ROW, 128 * MT>(stage, key_cache, tile_rows, t, p);
     }, [&](const unsigned char* stage, int base) {
       const unsigned char* kt = stage;
       if constexpr (KV != KV_AUTO) {

@@ -15,7 +15,8 @@ constexpr int PD_TILE = 32;      // keys per pipeline stage of paged_decode_kern
 constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernels take
 // Occupancy budgets, read by the host's plan (cupaged/_attention_kernels.py) through cupaged/_mirror.py.
 constexpr int SM_REGISTERS = 65536;  // 32-bit registers of an SM (sm_80, sm_90)
-constexpr int PD_REGISTERS = 128;    // a thread's registers in the decode kernels: 4 CTAs of PD_THREADS an SM
+constexpr int PD_REGISTERS = 128;    // a thread's registers in paged_decode_kernel: 4 CTAs of PD_THREADS an SM
+constexpr int PM_REGISTERS = 168;    // and in paged_decode_mma_kernel: 3 CTAs an SM, which its stages allow at most
 constexpr int PF_REGISTERS = 255;    // a thread's registers in the prefill kernel (ptxas's most): 2 CTAs an SM
 constexpr int MD_REGISTERS = 255;    // a thread's registers in the MLA decode kernel: 2 CTAs of 128, 1 of 256
 constexpr int PD_SMEM_FOR_4 = 65536;   // paged_decode_kernel: 4 stages where they fit in these bytes,

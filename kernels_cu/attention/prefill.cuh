@@ -43,7 +43,6 @@ struct PfSmem {
   static constexpr int TILE = HD > 64 ? 32 : 64;   // keys per stage: S is MW x TILE / 8 fragments a lane
   static constexpr int K_DIMS = HD, V_DIMS = VHD;
   static constexpr bool PREFETCH = true, VT = false, CONVERT = sizeof(CacheT) == 1;
-  static constexpr int UNROLL = 0;
   static constexpr int KROW = HD * int(sizeof(CacheT)), VROW = VHD * int(sizeof(CacheT));  // a stage's rows, bytes
   static constexpr int STAGE = TILE * (KROW + VROW);
   static constexpr int FIXED = ROWS * HD * 2 + (CONVERT ? TILE * (HD + VHD) * 2 : 0);  // the q and converted tiles
@@ -248,7 +247,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
   constexpr int TILE = S::TILE, MW = S::MW, ROWS = S::ROWS;
   extern __shared__ __align__(128) unsigned char pf_smem[];
   __shared__ PaRow rows[ROWS];
-  __shared__ int ids[S::STAGES][TILE + 1];
+  __shared__ KvRows<TILE> kv_rows[S::STAGES];
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
@@ -284,8 +283,9 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
 #pragma unroll
       for (int n = 0; n < VHD / 8; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
     }
-    kv_pipeline<S>(pf_smem, ids, table, lo, hi, p, [&](unsigned char* stage, const int* tile_ids, KvTile tile) {
-      kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_ids, tile, sq.key_row0, kv_head, p);
+    kv_pipeline<S>(pf_smem, kv_rows, table, sq.key_row0, lo, hi, p,
+                   [&](unsigned char* stage, const KvRows<TILE>& tile_rows, KvTile tile) {
+      kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const unsigned char *kt = stage, *vt = stage + TILE * S::KROW;
       if constexpr (S::CONVERT) {

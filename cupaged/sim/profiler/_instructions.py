@@ -32,6 +32,7 @@ class InstructionCount:
     instructions_by_line: dict
     residual: float | None = None
     note: str = ""
+    by_opcode: dict = dataclasses.field(default_factory=dict)  # warp instructions per SASS opcode (no modifiers)
 
 
 _PRAGMA = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+unroll\b[ \t]*(\d*)[ \t]*$", re.M)
@@ -112,10 +113,11 @@ def count_instructions(blocks, line_executions: dict, warps: int, host_blocks=()
     if per_warp is None:
         return InstructionCount(None, None, {}, None, f"the block fit failed: {detail}")
     mix = dict.fromkeys(_sass.CLASSES, 0.0)
-    by_line = collections.defaultdict(float)
+    by_line, by_opcode = collections.defaultdict(float), collections.defaultdict(float)
     for k, x in zip(running, per_warp * warps):
         for op, line in zip(blocks[k].opcodes, blocks[k].lines):
             mix[_sass.opcode_class(op)] += x
+            by_opcode[op.split(".")[0]] += x
             if line is not None:
                 by_line[line] += x
     total = round(sum(mix.values()))
@@ -123,7 +125,8 @@ def count_instructions(blocks, line_executions: dict, warps: int, host_blocks=()
     mix["int_control"] += total - sum(mix[c] for c in _sass.CLASSES)  # the total's rounding
     misfit, weighed = detail
     by_line = {k: round(v) for k, v in by_line.items() if round(v)}  # a line that issued nothing is not listed
-    return InstructionCount(total, mix, by_line, misfit / weighed if weighed else 0.0)
+    by_opcode = {k: round(v) for k, v in by_opcode.items() if round(v)}
+    return InstructionCount(total, mix, by_line, misfit / weighed if weighed else 0.0, by_opcode=by_opcode)
 
 
 def launch_instructions(launch, arch: str = "sm_90") -> InstructionCount:
