@@ -10,12 +10,14 @@ per CTA-work, not per production grid); ``--top N`` lists the N busiest lines.
     python profiling/issue_report.py decode --heads 32/8 --dtype fp16 --context 1024
     python profiling/issue_report.py prefill --heads 32/8 --dtype bf16 --context 512 --q-len 512
     python profiling/issue_report.py mla --heads 16 --context 1024
+    python profiling/issue_report.py sass    # static: each hot kernel's sm_90 SASS (nvdisasm), per LDGSTS
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import re
 
 import ml_dtypes
@@ -99,9 +101,45 @@ def report(prof, top: int) -> None:
             print(f"    {n:>10,}  {files.get(line, '?') if isinstance(line, int) else ''}:{line}  {text}")
 
 
+HOT = ("paged_decode_kernel<__half, cupaged::KV_AUTO, 128, false>",
+       "paged_decode_mma_kernel<__half, cupaged::KV_AUTO, 128, false>",
+       "paged_decode_mma_kernel<__half, cupaged::KV_E4M3, 128, false>",
+       "paged_prefill_kernel<__nv_bfloat16, cupaged::KV_AUTO, 128, 128>",
+       "paged_prefill_kernel<__nv_bfloat16, cupaged::KV_AUTO, 192, 128>",
+       "mla_decode_kernel<__nv_bfloat16, cupaged::KV_AUTO, 1>")
+_ELEMENTS = ("kv_copy_elems", "d[e] =", "(int e)")  # the element-by-element path's lines (unaligned views)
+
+
+def static_report() -> None:
+    """Each hot kernel's sm_90 SASS: instructions per file, and the copy code's (kernels_cu/attention/kv_pipeline.cuh,
+    the element-by-element path left out) per LDGSTS: the static cost of a 16-byte copy, its tile bookkeeping
+    included."""
+    from cupaged._attention_kernels import FAMILY
+    from cupaged.sim.profiler import _sass
+
+    source = FAMILY.source
+    files, lines = files_of(source), source.splitlines()
+    for name in HOT:
+        blocks = _sass.kernel_blocks(source, FAMILY.options, f"cupaged::{name}", "sm_90")
+        by_file, copies, pipeline = collections.Counter(), 0, 0
+        for block in blocks:
+            for op, line in zip(block.opcodes, block.lines):
+                where = files.get(line, "?") if isinstance(line, int) else "<other>"
+                by_file[where] += 1
+                copies += op.startswith("LDGSTS")
+                if where.endswith("kv_pipeline.cuh") and not any(t in lines[line - 1] for t in _ELEMENTS):
+                    pipeline += 1
+        total = sum(by_file.values())
+        gaps = sorted(b - a for block in blocks for a, b in itertools.pairwise(
+            [i for i, op in enumerate(block.opcodes) if op.startswith("LDGSTS")]))
+        steady = f"{gaps[0]} to {gaps[-1]}, median {gaps[len(gaps) // 2]}" if gaps else "- (no two in one block)"
+        print(f"{name}: {total} SASS instructions, {copies} LDGSTS; kv_pipeline.cuh (vector paths) {pipeline} = "
+              f"{pipeline / max(copies, 1):.1f} a copy; between consecutive copies of a block: {steady}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("op", choices=("decode", "prefill", "mla"))
+    ap.add_argument("op", choices=("decode", "prefill", "mla", "sass"))
     ap.add_argument("--heads", default="32/8", help="q/kv heads (MLA: q heads)")
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--context", type=int, default=1024)
@@ -115,6 +153,8 @@ def main(argv=None) -> None:
     ap.add_argument("--alibi", action="store_true")
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args(argv)
+    if args.op == "sass":
+        return static_report()
     if args.op == "prefill" and args.q_len == 1:
         args.q_len = args.context
     report(run_mla(args) if args.op == "mla" else run_attention(args), args.top)

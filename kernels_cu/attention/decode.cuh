@@ -218,7 +218,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
   constexpr int LPR = HD / 8, SLOTS = 32 / LPR, ROWS = PD_ROWS, TILE = S::TILE;
   extern __shared__ __align__(16) unsigned char pd_smem[];
   __shared__ PaRow rows[ROWS];
-  __shared__ KvRows<TILE> kv_rows[S::STAGES];  // each stage's row offsets
+  typedef KvRows<TILE, sizeof(CacheT)> Rows;
+  __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads;
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
     }
     const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
     kv_pipeline<S>(pd_smem, kv_rows, table, sq.key_row0, first, hi, p,
-                   [&](unsigned char* stage, const KvRows<TILE>& tile_rows, KvTile tile) {
+                   [&](unsigned char* stage, const Rows& tile_rows, KvTile tile) {
       kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const bool all_see = base >= lo_all && base + TILE - 1 <= hi_all;

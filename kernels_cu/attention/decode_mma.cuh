@@ -231,7 +231,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
   constexpr int MT = HD / 16, ROWS = PM_ROWS, PARTS = TcHalf<PV>::value ? 2 : 3;
   extern __shared__ __align__(16) unsigned char pd_smem[];
   __shared__ PaRow rows[ROWS];
-  __shared__ KvRows<S::TILE> kv_rows[S::STAGES];
+  typedef KvRows<S::TILE, sizeof(CacheT)> Rows;
+  __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   __shared__ __align__(8) float pt[4][160];  // each warp's P^T (pm_at)
   __shared__ __align__(16) T qs[PM_ROWS][HD + 8];  // the tile's q rows (+8: ldmatrix conflict-free)
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
     for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
     const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
     kv_pipeline<S>(pd_smem, kv_rows, table, sq.key_row0, first, hi, p,
-                   [&](unsigned char* stage, const KvRows<S::TILE>& tile_rows, KvTile tile) {
+                   [&](unsigned char* stage, const Rows& tile_rows, KvTile tile) {
       kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const int key0 = base + 16 * warp;

@@ -10,7 +10,7 @@
 //
 // The stage layout concept. A kernel describes its stages by a struct S of static members (PdSmem, PmSmem,
 // PfSmem, MdSmem):
-//   kv_pipeline reads  TILE      keys a stage (the kernel holds KvRows<TILE>[STAGES], a stage's row offsets)
+//   kv_pipeline reads  TILE      keys a stage (the kernel holds KvRows[STAGES], each stage's row offsets)
 //                      STAGES    stages (STAGES - 1 tiles in flight while one is consumed)
 //                      STAGE     a stage's bytes: stage i starts at smem + i * STAGE
 //                      PREFETCH  read the next tile's block ids into a register while this one is consumed
@@ -30,10 +30,23 @@
 
 namespace cupaged {
 
-// 16 bytes global -> shared, of which `bytes` are read (the rest zero-filled: the row's tail past head_size).
-__device__ __forceinline__ void kv_copy16(void* dst, const void* src, int bytes) {
+// 16 bytes global -> shared, of which `bytes` are read (the rest zero-filled: a row's tail past head_size, a run
+// past a tile's last key). A run-time src-size costs ptxas 5 instructions around the copy: kv_copy16 is for tails.
+__device__ __forceinline__ void kv_copy16_part(void* dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(unsigned(__cvta_generic_to_shared(dst))),
                "l"(src), "r"(bytes) : "memory");
+}
+
+// 16 bytes global -> shared, or 16 zeros when `zero` (the source ignored: never read): one instruction.
+__device__ __forceinline__ void kv_copy16(void* dst, const void* src, bool zero) {
+  asm volatile("{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}\n"
+               ::"r"(unsigned(__cvta_generic_to_shared(dst))), "l"(src), "r"(int(zero)) : "memory");
+}
+
+// `bytes` of 16 (0 < bytes < 16: a tail), or 16 zeros when `zero`.
+__device__ __forceinline__ void kv_copy(void* dst, const void* src, int bytes, bool zero) {
+  if (bytes == 16) kv_copy16(dst, src, zero);
+  else kv_copy16_part(dst, src, zero ? 0 : bytes);
 }
 
 // X elements into shared memory at dst without cp.async (any alignment): element e from *src(e) for e < n, zero
@@ -56,15 +69,16 @@ __device__ __forceinline__ KvTile kv_tile(int lo, int hi, int u) {
   return {base, min(TILE, hi - base + 1)};
 }
 
-// A stage's rows: for each key j of its tile, the element offsets of the key's K and V rows from key_cache and
-// value_cache at kv head 0 (its block's base plus its place in the block; 0 past the tile's last key, a real row
-// that the zero-filling copies never read). Written once per tile by the tile's key threads, so a copy costs a
-// shared load and an add: no block-table lookup, no division by block_size, no 64-bit product per copy. V's are
-// skewed by one every 8 keys, so the V^T runs' first keys (8 or 16 apart: the same bank unskewed) are read by a
-// warp's lanes without conflicts.
-template <int TILE, bool V = true>  // V false: MLA's latent rows, K and V one row
+// A stage's rows: for each key j of its tile, the byte offsets (ELEM bytes an element) of the key's K and V rows
+// from key_cache and value_cache at kv head 0 (its block's base plus its place in the block; 0 past the tile's
+// last key, a real row that the zero-filling copies never read). Written once per tile by the tile's key threads,
+// so a copy costs a shared load and a 64-bit add: no block-table lookup, no division by block_size, no product per
+// copy. V's are skewed by one every 8 keys, so the V^T runs' first keys (8 or 16 apart: the same bank unskewed)
+// are read by a warp's lanes without conflicts.
+template <int TILE, int ELEM, bool V = true>  // V false: MLA's latent rows, K and V one row
 struct KvRows {
   static constexpr bool HAS_V = V;
+  static constexpr int BYTES = ELEM;
   long long k[TILE], v[V ? TILE + TILE / 8 : 1];
   __device__ __forceinline__ long long& v_at(int j) { return v[j + (j >> 3)]; }
   __device__ __forceinline__ long long v_at(int j) const { return v[j + (j >> 3)]; }
@@ -86,8 +100,8 @@ __device__ __forceinline__ void kv_place(Rows& rows, int j, int pos, int hi, int
     k = (paged ? block * p.k_block_stride : 0) + row * p.k_page_stride;
     v = (paged ? block * p.v_block_stride : 0) + row * p.v_page_stride;
   }
-  rows.k[j] = k;
-  if constexpr (Rows::HAS_V) rows.v_at(j) = v;
+  rows.k[j] = k * Rows::BYTES;
+  if constexpr (Rows::HAS_V) rows.v_at(j) = v * Rows::BYTES;
 }
 
 // Byte offset of the 16-byte run `run` in V^T row `dim`: an fp8 row holds the 4 runs of a 64-key tile unpadded,
@@ -98,8 +112,15 @@ __device__ __forceinline__ int kv_vt_col(int run, int dim) {
   return X == 16 ? ((run ^ dim >> 1) & 3) * 16 : run * 16;
 }
 
+// The element `bytes` bytes past p (a KvRows offset).
+template <class CacheT>
+__device__ __forceinline__ const CacheT* kv_at(const CacheT* p, long long bytes) {
+  return reinterpret_cast<const CacheT*>(reinterpret_cast<const unsigned char*>(p) + bytes);
+}
+
 // The copies of one operand's rows (K, V, or MLA's latent rows) of a tile of n keys: chunk c (X elements) of key
-// j's row goes to stage + at(j, c) from src + row(j) + c * cs (element e of it at + e * es); DIMS elements a row
+// j's row goes to stage + at(j, c) from src + c * cs elements + row(j) bytes (element e of it e * es further on);
+// DIMS elements a row
 // of which the first `dims` are real (the rest zero-filled). THREADS threads share the TILE x DIMS / X copies.
 // The 16-byte path is branch-free: a thread's chunk is the same in every row it copies when THREADS is a
 // multiple of the chunks a row (its rows THREADS / chunks apart), so its byte count and source column are fixed.
@@ -111,22 +132,41 @@ __device__ __forceinline__ void kv_issue_rows(unsigned char* stage, const CacheT
   if (vec && STEP) {
     const int c = threadIdx.x % CHUNKS, j0 = threadIdx.x / CHUNKS;
     const int bytes = min(max(dims - c * X, 0), X) * int(sizeof(CacheT));
-    const CacheT* from = bytes ? src + c * cs : src;
+    const unsigned char* from = reinterpret_cast<const unsigned char*>(bytes ? src + c * cs : src);
+    unsigned char* dst = stage + at(j0, c);  // row j0 + s STEP at dst + at(j0 + s STEP, c) - at(j0, c): a constant
+    const int left = n - j0;                 // row j0 + s STEP is past the tile's last key when s STEP >= left
+    if (bytes == 16 || bytes == 0) {  // whole chunks (every 16-bit head size): a predicate zero-fills
 #pragma unroll
-    for (int s = 0; s < PER; ++s) {
-      const int j = j0 + s * STEP;
-      if (COPIES % THREADS == 0 || j < TILE) kv_copy16(stage + at(j, c), from + row(j), j < n ? bytes : 0);
+      for (int s = 0; s < PER; ++s) {
+        const int j = j0 + s * STEP;
+        if (COPIES % THREADS == 0 || j < TILE)
+          kv_copy16(dst + (at(j, c) - at(j0, c)), from + row(j), s * STEP >= left || !bytes);
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < PER; ++s) {
+        const int j = j0 + s * STEP;
+        if (COPIES % THREADS == 0 || j < TILE)
+          kv_copy16_part(dst + (at(j, c) - at(j0, c)), from + row(j), s * STEP < left ? bytes : 0);
+      }
     }
-  } else if (vec) {  // chunks that do not divide the threads (head 192, MLA's 576): a division by a constant
-    for (int i = threadIdx.x; i < COPIES; i += THREADS) {
-      const int j = i / CHUNKS, c = i % CHUNKS;
-      const int bytes = j < n ? min(max(dims - c * X, 0), X) * int(sizeof(CacheT)) : 0;
-      kv_copy16(stage + at(j, c), bytes ? src + row(j) + c * cs : src, bytes);
+  } else if (vec) {  // chunks that do not divide the threads (head 192, MLA's 576): a warp a row, a lane a chunk
+    constexpr int ROUNDS = (CHUNKS + 31) / 32;
+    const int lane = threadIdx.x % 32;
+#pragma unroll 1
+    for (int j = threadIdx.x / 32; j < TILE; j += THREADS / 32) {
+      const CacheT* from = kv_at(src, row(j));
+#pragma unroll
+      for (int k = 0; k < ROUNDS; ++k) {
+        const int c = lane + 32 * k, bytes = min(max(dims - c * X, 0), X) * int(sizeof(CacheT));
+        if (CHUNKS % 32 == 0 || c < CHUNKS)
+          kv_copy(stage + at(j, c), bytes ? from + c * cs : src, bytes, j >= n || !bytes);
+      }
     }
   } else {  // element by element: a view at an odd offset, fp8 rows of 72 bytes
     for (int i = threadIdx.x; i < COPIES; i += THREADS) {
       const int j = i / CHUNKS, c = i % CHUNKS;
-      const CacheT* from = src + row(j) + c * cs;
+      const CacheT* from = kv_at(src + c * cs, row(j));
       kv_copy_elems<CacheT, X>(stage + at(j, c), j < n ? min(max(dims - c * X, 0), X) : 0,
                                [&](int e) { return from + e * es; });
     }
@@ -144,26 +184,26 @@ __device__ __forceinline__ void kv_issue_vt(unsigned char* stage, const CacheT* 
   static_assert(PD_THREADS % RUNS == 0 && COPIES % PD_THREADS == 0, "a thread keeps one run of every tile");
   const int run = threadIdx.x % RUNS, dim0 = threadIdx.x / RUNS, keys = min(max(n - run * X, 0), X);
   if (p.vec_v) {
-    const CacheT* from = src + rows.v_at(run * X) + dim0 * p.v_dim_stride;
+    const CacheT* from = kv_at(src, rows.v_at(run * X)) + dim0 * p.v_dim_stride;
 #pragma unroll
     for (int s = 0; s < COPIES / PD_THREADS; ++s) {
       const int dim = dim0 + s * (PD_THREADS / RUNS);
-      kv_copy16(stage + S::vt_at(run, dim), from, dim < p.v_head_size ? keys * int(sizeof(CacheT)) : 0);
+      kv_copy(stage + S::vt_at(run, dim), from, keys * int(sizeof(CacheT)), !keys || dim >= p.v_head_size);
       from += PD_THREADS / RUNS * p.v_dim_stride;
     }
   } else {
     for (int dim = dim0; dim < S::V_DIMS; dim += PD_THREADS / RUNS)
       kv_copy_elems<CacheT, X>(stage + S::vt_at(run, dim), dim < p.v_head_size ? keys : 0,
-                               [&](int e) { return src + rows.v_at(run * X + e) + dim * p.v_dim_stride; });
+                               [&](int e) { return kv_at(src, rows.v_at(run * X + e)) + dim * p.v_dim_stride; });
   }
 }
 
 // Issue the copies of a tile of n keys into one stage laid out by S: TILE K rows of S::K_DIMS (chunk c of key j at
 // S::k_at(j, c)), then the V tile: TILE V rows of S::V_DIMS like K's (at S::v_at(j, c)) or, for S::VT, V^T
 // (kv_issue_vt). `rows`: the stage's KvRows. The CTA's PD_THREADS threads share the copies.
-template <class CacheT, class S>
+template <class CacheT, class S, class Rows>
 __device__ __forceinline__ void kv_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
-                                         const KvRows<S::TILE>& rows, KvTile tile, int kv_head, const PaParams& p) {
+                                         const Rows& rows, KvTile tile, int kv_head, const PaParams& p) {
   constexpr int X = 16 / int(sizeof(CacheT));
   kv_issue_rows<CacheT, S::TILE, S::K_DIMS, PD_THREADS>(
       stage, key_cache + kv_head * p.k_head_stride, [&](int j) { return rows.k[j]; }, p.k_chunk_stride, 1,

@@ -56,7 +56,8 @@ struct MdSmem {
 // zero-filled.
 template <class CacheT, int ROW, int THREADS>
 __device__ __forceinline__ void md_issue(unsigned char* stage, const CacheT* kv_cache,
-                                         const KvRows<PD_TILE, false>& rows, KvTile tile, const PaParams& p) {
+                                         const KvRows<PD_TILE, sizeof(CacheT), false>& rows, KvTile tile,
+                                         const PaParams& p) {
   kv_issue_rows<CacheT, PD_TILE, MD_HD, THREADS>(stage, kv_cache, [&](int j) { return rows.k[j]; },
                                                  16 / int(sizeof(CacheT)), 1, p.head_size, p.vec_k, tile.n,
                                                  [](int j, int c) { return j * ROW + c * 16; });
@@ -238,7 +239,8 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
   typedef MdSmem<CacheT, MT> S;
   constexpr int MW = MT == 1 ? 1 : 2, NC = 16 / MW;  // P V: m tiles and n8 column tiles of a warp
   extern __shared__ __align__(16) unsigned char md_smem[];
-  __shared__ KvRows<PD_TILE, false> kv_rows[S::STAGES];  // each stage's row offsets
+  typedef KvRows<PD_TILE, sizeof(CacheT), false> Rows;
+  __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, tile = blockIdx.x % p.decode_tiles;
   const int head_tiles = (p.num_heads + S::ROWS - 1) / S::ROWS, head0 = tile % head_tiles * S::ROWS;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
@@ -281,7 +283,7 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
 #pragma unroll
       for (int n = 0; n < NC; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
     kv_pipeline<S>(md_smem, kv_rows, table, 0, lo, hi, p,
-                   [&](unsigned char* stage, const KvRows<PD_TILE, false>& tile_rows, KvTile t) {
+                   [&](unsigned char* stage, const Rows& tile_rows, KvTile t) {
       md_issue<CacheT, S::ROW, 128 * MT>(stage, key_cache, tile_rows, t, p);
     }, [&](const unsigned char* stage, int base) {
       const unsigned char* kt = stage;

@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
   constexpr int TILE = S::TILE, MW = S::MW, ROWS = S::ROWS;
   extern __shared__ __align__(128) unsigned char pf_smem[];
   __shared__ PaRow rows[ROWS];
-  __shared__ KvRows<TILE> kv_rows[S::STAGES];
+  typedef KvRows<TILE, sizeof(CacheT)> Rows;
+  __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
   const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
@@ -284,7 +285,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
       for (int n = 0; n < VHD / 8; ++n) o[mi][n][0] = o[mi][n][1] = o[mi][n][2] = o[mi][n][3] = 0.0f;
     }
     kv_pipeline<S>(pf_smem, kv_rows, table, sq.key_row0, lo, hi, p,
-                   [&](unsigned char* stage, const KvRows<TILE>& tile_rows, KvTile tile) {
+                   [&](unsigned char* stage, const Rows& tile_rows, KvTile tile) {
       kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
       const unsigned char *kt = stage, *vt = stage + TILE * S::KROW;
