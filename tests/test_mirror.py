@@ -67,9 +67,10 @@ def _routes() -> list:
                      max_query_len=None, max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False,
                      sms=132, sm_shared=UNBOUNDED, decode_layout="rows", prefill_rows=True)
     gqa8 = decode._replace(q_shape=(1, 64, 128))
+    cuda_cores = decode._replace(q_dtype=np.dtype(np.float32))  # 16-bit q up to head size 128: tensor cores
     prefill = decode._replace(q_shape=(64, 8, 128), decode=False)
     mla = decode._replace(q_shape=(1, 16, 576), kind="mla", num_kv_heads=1, v_head_size=512, prefill_rows=False)
-    routes = [kernels.decode_route(decode), kernels.decode_route(gqa8), kernels.prefill_route(prefill),
+    routes = [kernels.decode_route(cuda_cores), kernels.decode_route(gqa8), kernels.prefill_route(prefill),
               kernels.decode_route(mla), kernels.decode_route(mla._replace(q_shape=(1, 64, 576)))]
     names = [re.match(r"cupaged::(\w+)<", r.launch.kernel).group(1) for r in routes]
     assert names == ["paged_decode_kernel", "paged_decode_mma_kernel", "paged_prefill_kernel", "mla_decode_kernel",

@@ -1,5 +1,6 @@
 // attention/decode.cuh: paged_decode_kernel<T, KV, HD, VT>, decode on CUDA cores: the short query runs
-// (q_len <= PD_MAX_Q: decode, speculative decoding) of every dtype, and every run of float32 q.
+// (q_len <= PD_MAX_Q: decode, speculative decoding) of 16-bit q with head size 256, and every run of float32 q
+// (16-bit q with head sizes up to 128 takes paged_decode_mma_kernel).
 //
 // A CTA takes a tile of up to PD_ROWS = 4 query rows ((token, head) pairs of one GQA group, so every K/V byte it
 // reads serves all of its heads) over one KV split, its K/V tiles brought in by kv_pipeline. A lane owns 8
@@ -117,12 +118,14 @@ __device__ __forceinline__ void pd_store(const unsigned char* smem, const PaRow*
 }
 
 // The end of a paged_decode_kernel row tile: merge the slots of each warp (shuffles), hand the warps' states to
-// pd_store through shared memory.
+// pd_store through shared memory (the maxima back in natural units).
 template <int HD>
 __device__ __forceinline__ void pd_finish(unsigned char* smem, float (&m)[PD_ROWS], float (&l)[PD_ROWS],
                                           float (&o)[PD_ROWS][8], float oscale) {
   constexpr int LPR = HD / 8, ROWS = PD_ROWS;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) m[r] = pa_natural(m[r]);
 #pragma unroll
   for (int off = LPR; off < 32; off <<= 1)
 #pragma unroll
@@ -154,12 +157,13 @@ __device__ __forceinline__ void pd_finish(unsigned char* smem, float (&m)[PD_ROW
 // One key (row j of the stage) for the slot's lanes: q . k over the slot's lanes (a tree per row, interleaved
 // with its softmax step: fewer live registers), then, for each row that sees the key, the logit step and
 // o = o * alpha + w v. Masking by selection: v is never weighted by 0. `all_see`: every row sees the whole tile
-// (the rows' bounds need not be read); `alibi`: slopes are given. q stays in its own type (16-bit pairs take half
-// the registers; exact), scaled after the dot product.
+// (the rows' bounds need not be read); `biased`: softcap or ALiBi is on (logits.cuh's base-2 logit step; else
+// q . k times qscale2). q stays in its own type (16-bit pairs take half the registers; exact), scaled after the dot
+// product.
 template <int KV, int LPR, int VSTRIDE, class T, class CacheT>
 __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT* vrow_ptr, int key, const PaRow* rows,
-                                           int nrows, bool all_see, bool alibi, const Vec<T, 8> (&qv)[PD_ROWS],
-                                           float qscale, float (&o)[PD_ROWS][8], float (&m)[PD_ROWS],
+                                           int nrows, bool all_see, bool biased, const Vec<T, 8> (&qv)[PD_ROWS],
+                                           float qscale, float qscale2, float (&o)[PD_ROWS][8], float (&m)[PD_ROWS],
                                            float (&l)[PD_ROWS], float softcap) {
   constexpr int ROWS = PD_ROWS;
   const PdRow8<CacheT> krow = pd_load8(krow_ptr);
@@ -180,10 +184,9 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
     alpha[r] = 1.0f;
     w[r] = 0.0f;
     if (r >= nrows || (!all_see && !pa_sees(key, rows[r].lo, rows[r].hi))) continue;
-    float x = pa_capped_logit(s[r], qscale, softcap);
-    if (alibi) x = pa_alibi(x, rows[r].slope, key, rows[r].pos);  // pa_logit, the bias skipped without slopes
+    const float x = biased ? pa_logit(s[r], qscale, softcap, rows[r].slope, key, rows[r].pos) : s[r] * qscale2;
     alpha[r] = pa_rescale(m[r], x);
-    w[r] = expf(x - m[r]);  // a key the row sees: x is finite, no -inf to select
+    w[r] = pa_exp2(x - m[r]);  // a key the row sees: x is finite, no -inf to select
     l[r] = l[r] * alpha[r] + w[r];
     seen |= 1 << r;
   }
@@ -226,6 +229,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_prefill_kernel's
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
+  const float qscale2 = qscale * PA_LOG2E;
+  const bool biased = p.softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);  // the logit step's slow path
   const float oscale = pa_cache_scale<KV>(v_scale, p.v_scale_value, kv_head, p);
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {
@@ -260,7 +265,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
             reinterpret_cast<const CacheT*>(stage + j * S::PITCH) + d0,
             reinterpret_cast<const CacheT*>(stage + (VT ? S::vt_at(0, d0) + j * int(sizeof(CacheT))
                                                         : (TILE + j) * S::PITCH + d0 * int(sizeof(CacheT)))),
-            base + j, rows, nrows, all_see, alibi_slopes != nullptr, qv, qscale, o, m, l, p.softcap);
+            base + j, rows, nrows, all_see, biased, qv, qscale, qscale2, o, m, l, p.softcap);
     });
     pd_finish<HD>(pd_smem, m, l, o, oscale);
     pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,

@@ -1,8 +1,7 @@
 // attention/decode_mma.cuh: paged_decode_mma_kernel<T, KV, HD, VT>, decode on tensor cores for tiles of 8 query
-// rows: every GQA group (>= 2), or any group over vLLM's layout (VT: its V^T tiles are the A operand as they lie);
-// 16-bit q, head sizes up to 128. The plan sends float32, head size 256 and one query head a KV head to
-// paged_decode_kernel: a choice from the model's shape and cache, never the batch's, so a sequence takes the same
-// kernel in every batch.
+// rows: 16-bit q, head sizes up to 128, every group and layout (VT: vLLM's V^T tiles are the A operand as they
+// lie). The plan sends float32 and head size 256 to paged_decode_kernel: a choice from the model's shape and cache,
+// never the batch's, so a sequence takes the same kernel in every batch.
 //
 // The GEMMs are transposed so the 8 rows are the n8 side of mma.sync m16n8k16 and 16 keys its m side: warp w
 // takes keys 16 w .. 16 w + 15 of every 64-key stage, with its own online softmax:
@@ -163,24 +162,26 @@ __device__ __forceinline__ void pm_values(float (&o)[HD / 16][4], const unsigned
   }
 }
 
-// Row 2t + e of the warp's S^T fragment (keys key0, key0 + 8 of this lane): the logit step, then the online-softmax
-// step over the warp's 16 keys: the scores become P (0 where masked: selection), (m, l) move on (l over this lane's
-// keys) and the factor that rescales o is returned.
+// Row 2t + e of the warp's S^T fragment (keys key0, key0 + 8 of this lane): the logit step in base 2 (logits.cuh;
+// q . k scaled once by qscale2 without softcap and ALiBi, `biased` false), the row's visible range on the tiles
+// that need it (`masked`), then the online-softmax step over the warp's 16 keys: the scores become P (0 where
+// masked: selection), (m, l) move on (l over this lane's keys) and the factor that rescales o is returned.
 __device__ __forceinline__ float pm_softmax(float (&s)[4], int e, float& m, float& l, const PaRow& row, int key0,
-                                            float qscale, float softcap) {
-  float x[2], mx = neg_inf();
+                                            bool masked, bool biased, float qscale, float qscale2, float softcap) {
+  float x[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int key = key0 + 8 * h;
-    const float v = pa_logit(s[2 * h + e], qscale, softcap, row.slope, key, row.pos);
-    x[h] = pa_sees(key, row.lo, row.hi) ? v : neg_inf();  // masking by selection
-    mx = fmaxf(mx, x[h]);
+    x[h] = biased ? pa_logit(s[2 * h + e], qscale, softcap, row.slope, key, row.pos) : s[2 * h + e];
+    if (masked && !pa_sees(key, row.lo, row.hi)) x[h] = neg_inf();  // masking by selection
   }
+  float mx = fmaxf(x[0], x[1]);
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-  const float alpha = pa_rescale(m, mx);
+  const float factor = biased ? 1.0f : qscale2;
+  const float alpha = pa_rescale(m, mx * factor), pivot = pa_pivot(m);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) s[2 * h + e] = softmax_weight(x[h], m);
+  for (int h = 0; h < 2; ++h) s[2 * h + e] = pa_exp2(fmaf(x[h], factor, -pivot));
   l = l * alpha + s[e] + s[2 + e];
   return alpha;
 }
@@ -210,7 +211,7 @@ __device__ __forceinline__ void pm_finish(unsigned char* smem, const float (&o)[
   if (g == 0)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      wm[warp * PM_ROWS + 2 * t + e] = m[e];
+      wm[warp * PM_ROWS + 2 * t + e] = pa_natural(m[e]);
       wm[(4 + warp) * PM_ROWS + 2 * t + e] = l[e];
     }
 }
@@ -241,13 +242,17 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
+  const float qscale2 = qscale * PA_LOG2E;
+  const bool biased = p.softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);  // the logit step's slow path
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {
     const int nrows = min(ROWS, sq.q_len * group - row0);
-    int lo = 0x7fffffff, hi = -1;  // the union of the rows' visible keys: the only ones loaded
+    int lo = 0x7fffffff, hi = -1;         // the union of the rows' visible keys: the only ones loaded
+    int lo_all = 0, hi_all = 0x7fffffff;  // their intersection: keys every row sees
     for (int r = 0; r < ROWS; ++r) {
       const PaRow row = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
       if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
+      if (r < nrows) { lo_all = max(lo_all, row.lo); hi_all = min(hi_all, row.hi); }
       if (threadIdx.x == 0) rows[r] = row;
     }
     for (int i = threadIdx.x; i < ROWS * HD; i += PD_THREADS) {  // the q tile (kv_pipeline's barrier publishes it)
@@ -268,14 +273,16 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
       if (key0 > hi) return;  // the warp's keys are all past the last (warp-uniform)
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // S^T: keys key0 + g (+ 8), rows 2t, 2t + 1
       pm_scores<T, KV, HD, S::PITCH>(s, stage + 16 * warp * S::PITCH, &qs[0][0], lane);
+      const bool masked = key0 < lo_all || key0 + 15 > hi_all;  // a window's edge, the last tile, rows past nrows
       float alpha[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e)  // row 2t + e
-        alpha[e] = pm_softmax(s, e, m[e], l[e], rows[2 * t + e], key0 + g, qscale, p.softcap);
+        alpha[e] = pm_softmax(s, e, m[e], l[e], rows[2 * t + e], key0 + g, masked, biased, qscale, qscale2, p.softcap);
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // once the maxima settle: no rescale
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1]; o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
-      }
+        for (int mt = 0; mt < MT; ++mt) {
+          o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1]; o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
+        }
       float* pw = pt[warp];  // P^T to B fragments: (keys 2t, 2t + 1 | 2t + 8, 2t + 9; row g)
       *reinterpret_cast<float2*>(pw + pm_at(g) + 2 * t) = make_float2(s[0], s[1]);
       *reinterpret_cast<float2*>(pw + pm_at(g + 8) + 2 * t) = make_float2(s[2], s[3]);

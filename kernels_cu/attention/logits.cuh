@@ -62,6 +62,28 @@ __device__ __forceinline__ PaRow pa_row(int r, int row0, int nrows, int group, i
   return row;
 }
 
+// Base 2. The kernels' online softmax runs on logits times log2(e), so a weight is one MUFU.EX2: e^{s - m} =
+// 2^{s2 - m2}, s2 = log2(e) s. Without softcap and ALiBi, log2(e) is folded into the score's scale (s2 = qk *
+// qscale2, qscale2 = log2(e) qscale: one multiply a score); with them, the natural logit (pa_logit) is scaled.
+// The row's max leaves the kernel in natural units (pa_natural), where the LSE, the split partials and the sink
+// live.
+constexpr float PA_LOG2E = 1.4426950408889634f;
+constexpr float PA_LN2 = 0.6931471805599453f;
+
+// 2^x, flushed to zero below 2^-126 (a weight that small is 0 beside the row's largest, which is 1); 2^-inf = 0.
+__device__ __forceinline__ float pa_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A base-2 max in natural units.
+__device__ __forceinline__ float pa_natural(float m2) { return m2 * PA_LN2; }
+
+// The max a row's base-2 weights are taken against: m2, or 0 while the row has seen no key (every logit so far
+// -inf, whose weight 2^{-inf - 0} is 0: no -inf - (-inf)).
+__device__ __forceinline__ float pa_pivot(float m2) { return m2 == neg_inf() ? 0.0f : m2; }
+
 // The logit before its bias: the score qk = q . k times qscale (the softmax scale, an fp8 K scale folded in),
 // soft-capped (softcap 0: none).
 __device__ __forceinline__ float pa_capped_logit(float qk, float qscale, float softcap) {
@@ -75,23 +97,21 @@ __device__ __forceinline__ float pa_alibi(float x, float slope, int key, int pos
   return x - slope * fabsf(float(key - pos));
 }
 
-// The logit of key `key` for a query row at `pos` with ALiBi slope `slope` (0 without ALiBi). paged_decode_kernel,
-// one key at a time on CUDA cores, composes the two steps itself and branches over the bias when the launch has no
-// slopes (the same floats, a conversion and an FMA less); in the tensor-core kernels' unrolled fragment loops that
-// branch moved ptxas's register allocation by up to 19 registers, so they always subtract it.
+// The logit of key `key` for a query row at `pos` with ALiBi slope `slope` (0 without ALiBi), in base 2 (see
+// below): the kernels take it where softcap or ALiBi is on, and qk * qscale2 where neither is.
 __device__ __forceinline__ float pa_logit(float qk, float qscale, float softcap, float slope, int key, int pos) {
-  return pa_alibi(pa_capped_logit(qk, qscale, softcap), slope, key, pos);
+  return pa_alibi(pa_capped_logit(qk, qscale, softcap), slope, key, pos) * PA_LOG2E;
 }
 
 // Whether a row whose visible keys are lo..hi (pa_row: its window and causal bound within its split) sees `key`;
 // a key it does not see is selected out, never weighted by 0.
 __device__ __forceinline__ bool pa_sees(int key, int lo, int hi) { return key >= lo && key <= hi; }
 
-// The online-softmax rescale: a row's running max m meets logits whose max is mx; m moves on to max(m, mx) and
-// the returned factor rescales the row's sum and output so far (0 while the row has seen no key).
+// The online-softmax rescale (base 2): a row's running max m meets logits whose max is mx; m moves on to
+// max(m, mx) and the returned factor rescales the row's sum and output so far (0 while the row has seen no key).
 __device__ __forceinline__ float pa_rescale(float& m, float mx) {
   const float mn = fmaxf(m, mx);
-  const float alpha = softmax_weight(m, mn);
+  const float alpha = m == neg_inf() ? 0.0f : pa_exp2(m - mn);
   m = mn;
   return alpha;
 }

@@ -103,12 +103,13 @@ __device__ __forceinline__ void md_scores(float* spart, const unsigned char* kt,
   }
 }
 
-// Row r = 4 warp + lane / 8, keys base + 4 (lane % 8) .. + 3 of a tile with n keys: the logit step and the
-// online-softmax step of the row's (m, l, slope) in `state` (shared memory: registers are q's and o's),
-// P and the row's rescale factor.
+// Row r = 4 warp + lane / 8, keys base + 4 (lane % 8) .. + 3 of a tile with n keys: the logit step in base 2
+// (logits.cuh: q . k scaled once by qscale2 unless `biased`) and the online-softmax step of the row's (m, l, slope)
+// in `state` (shared memory: registers are q's and o's), P and the row's rescale factor.
 template <int ROWS>
 __device__ __forceinline__ void md_softmax(const float* spart, float* ps, float* alpha_s, float* state, int r, int j0,
-                                           int n, int base, int pos, float qscale, float softcap) {
+                                           int n, int base, int pos, bool biased, float qscale, float qscale2,
+                                           float softcap) {
   float m = state[r];
   const float l = state[ROWS + r], slope = state[2 * ROWS + r];
   float4 acc = *reinterpret_cast<const float4*>(spart + md_at(r, j0));
@@ -120,18 +121,18 @@ __device__ __forceinline__ void md_softmax(const float* spart, float* ps, float*
   float x[4] = {acc.x, acc.y, acc.z, acc.w}, mx = neg_inf();
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int key = base + j0 + e;
-    const float s = pa_logit(x[e], qscale, softcap, slope, key, pos);
-    x[e] = j0 + e < n ? s : neg_inf();  // the tile's n keys (all visible: one position); the rest are zero-filled
+    if (biased) x[e] = pa_logit(x[e], qscale, softcap, slope, base + j0 + e, pos);
+    if (j0 + e >= n) x[e] = neg_inf();  // the tile's n keys (all visible: one position); the rest are zero-filled
     mx = fmaxf(mx, x[e]);
   }
 #pragma unroll
   for (int o = 1; o < 8; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const float alpha = pa_rescale(m, mx);
+  const float factor = biased ? 1.0f : qscale2;
+  const float alpha = pa_rescale(m, mx * factor), pivot = pa_pivot(m);
   float sum = 0.0f;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    x[e] = softmax_weight(x[e], m);  // masking by selection
+    x[e] = pa_exp2(fmaf(x[e], factor, -pivot));  // masking by selection: 2^-inf = 0
     sum += x[e];
   }
 #pragma unroll
@@ -154,8 +155,9 @@ __device__ __forceinline__ void md_values(float (&o)[MW][NC][4], const unsigned 
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi) {
     const float a0 = alpha_s[row0 + 16 * mi + (lane >> 2)], a1 = alpha_s[row0 + 16 * mi + (lane >> 2) + 8];
+    if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f))  // once the rows' maxima settle: no rescale
 #pragma unroll
-    for (int n = 0; n < NC; ++n) { o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1; }
+      for (int n = 0; n < NC; ++n) { o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1; }
   }
   // A fragments: (g, 2t..2t+1) and (g + 8, 2t..2t+1) of keys 8 kk .., rows row0 + 16 mi ..: every row of this
   // lane has the swizzle of row g (md_at), so one base address and constant offsets.
@@ -199,7 +201,7 @@ __device__ __forceinline__ void md_finish(const float (&o)[MW][NC][4], const flo
     for (int h = 0; h < 2; ++h) {
       const int r = row0 + 16 * mi + (lane >> 2) + 8 * h, head = head0 + r;
       if (head >= p.num_heads) continue;
-      const float m = state[r], l = state[rows + r];
+      const float m = pa_natural(state[r]), l = state[rows + r];
       const long long th = (long long)token * p.num_heads + head;
       const SoftmaxFinish fin = softmax_finish(m, l, sinks ? sinks[head] : neg_inf());
       const float fp = oscale * (l > 0.0f ? 1.0f / l : 0.0f), fo = oscale * fin.scale;
@@ -247,6 +249,8 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // another kernel's
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, 0, 0));
+  const float qscale2 = qscale * PA_LOG2E;
+  const bool biased = p.softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);  // the logit step's slow path
   const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, 0, 0);
   const int r = 4 * warp + (lane >> 3), j0 = (lane & 7) * 4;  // the softmax lane's row and keys
   const int row0 = 16 * MW * (warp / (4 * MW)), c0 = 8 * NC * (warp % (4 * MW));  // the P V slice
@@ -295,7 +299,7 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
       md_scores<T, S::ROWS, S::TROW>(reinterpret_cast<float*>(md_smem + S::SPART), kt, qa, warp, lane);
       __syncthreads();  // the four partial sums of every score are in
       md_softmax<S::ROWS>(reinterpret_cast<const float*>(md_smem + S::SPART), ps, alpha_s, state, r, j0,
-                          min(PD_TILE, hi - base + 1), base, pos, qscale, p.softcap);
+                          min(PD_TILE, hi - base + 1), base, pos, biased, qscale, qscale2, p.softcap);
       __syncthreads();  // P and the rescale factors are in
       md_values<T, MW, NC, S::TROW>(o, kt, ps, alpha_s, row0, c0, lane);
     });

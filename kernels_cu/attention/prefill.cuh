@@ -75,22 +75,28 @@ __device__ __forceinline__ void pf_convert(unsigned char* ck, unsigned char* cv,
   }
 }
 
-// The row tile's q rows into the swizzled q tile, 8 elements a chunk (zero past head_size and past the last row).
+// The row tile's q rows (rows: their tokens and heads) into the swizzled q tile, 8 elements a chunk (zero past
+// head_size and past the last row): one 16-byte load a chunk where the row allows it.
 template <class T, int HD, int ROWS>
-__device__ __forceinline__ void pf_load_q(unsigned char* qs, const T* q, int row0, int nrows, int group, int kv_head,
-                                          int q_start, const PaParams& p) {
+__device__ __forceinline__ void pf_load_q(unsigned char* qs, const T* q, const PaRow* rows, int nrows,
+                                          const PaParams& p) {
   for (int i = threadIdx.x; i < ROWS * HD / 8; i += PD_THREADS) {
-    const int r = i / (HD / 8), c = i % (HD / 8), rr = row0 + r;
-    const T* qrow = q + (q_start + rr / group) * p.q_token_stride + (kv_head * group + rr % group) * p.q_head_stride;
-    unsigned w[4];
+    const int r = i / (HD / 8), c = i % (HD / 8);
+    const T* src = q + rows[r].token * p.q_token_stride + rows[r].head * p.q_head_stride + 8 * c;
+    uint4 w = make_uint4(0u, 0u, 0u, 0u);
+    if (r < nrows && 8 * c + 8 <= p.head_size && reinterpret_cast<unsigned long long>(src) % 16 == 0) {
+      w = *reinterpret_cast<const uint4*>(src);
+    } else if (r < nrows) {  // a head size's last chunk, or a view at an odd offset
+      unsigned e[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int d = 8 * c + 2 * e;
-      const T zero = from_float<T>(0.0f);
-      w[e] = tc_pack<T>(r < nrows && d < p.head_size ? qrow[d] : zero, r < nrows && d + 1 < p.head_size ? qrow[d + 1]
-                                                                                                           : zero);
+      for (int k = 0; k < 4; ++k) {
+        const int d = 8 * c + 2 * k;
+        const T zero = from_float<T>(0.0f);
+        e[k] = tc_pack<T>(d < p.head_size ? src[2 * k] : zero, d + 1 < p.head_size ? src[2 * k + 1] : zero);
+      }
+      w = make_uint4(e[0], e[1], e[2], e[3]);
     }
-    *reinterpret_cast<uint4*>(qs + pf_at<HD * 2>(r, c)) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(qs + pf_at<HD * 2>(r, c)) = w;
   }
 }
 
@@ -119,34 +125,43 @@ __device__ __forceinline__ void pf_scores(float (&s)[MW][TILE / 8][4], const uns
   }
 }
 
-// Row g + 8 e of one m tile of scores (keys key0 + 8 n + h, key0 = the tile's first + 2t): the logit step and,
-// when `masked`, the row's visible range (logits.cuh); then the online-softmax step: the scores become P =
-// e^{s - m} (0 where masked: selection), (m, l) move on (l over this lane's keys), and the factor that rescales o
-// is returned. (*) pa_sees written out: through the call ptxas allocates this kernel otherwise (3-7 registers fewer
-// on sm_90, another schedule), a change to its code that moving it here was not meant to make.
+// Row g + 8 e of one m tile of scores (keys key0 + 8 n + h, key0 = the tile's first + 2t): the logit step in base
+// 2 (logits.cuh) and, when `masked`, the row's visible range; then the online-softmax step: the scores become
+// P = 2^{s2 - m2} (0 where masked: selection), (m, l) move on (l over this lane's keys), and the factor that
+// rescales o is returned. Without softcap and ALiBi (`biased` false) the scores stay q . k, their max is scaled
+// once and each weight is one FFMA and one MUFU.EX2 (qscale2 = log2(e) qscale > 0); the mask and the bias cost
+// nothing on tiles and launches that need none.
 template <int NT>
 __device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, float& l, const PaRow& row, int key0,
-                                            bool masked, float qscale, float softcap) {
+                                            bool masked, bool biased, float qscale, float qscale2, float softcap) {
+  if (biased) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        s[n][2 * e + h] = pa_logit(s[n][2 * e + h], qscale, softcap, row.slope, key0 + 8 * n + h, row.pos);
+  }
+  const float factor = biased ? 1.0f : qscale2;
+  if (masked) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (!pa_sees(key0 + 8 * n + h, row.lo, row.hi)) s[n][2 * e + h] = neg_inf();
+  }
   float mx = neg_inf();
 #pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key = key0 + 8 * n + h;
-      float x = pa_logit(s[n][2 * e + h], qscale, softcap, row.slope, key, row.pos);
-      if (masked && (key < row.lo || key > row.hi)) x = neg_inf();  // !pa_sees, spelled out (*)
-      s[n][2 * e + h] = x;
-      mx = fmaxf(mx, x);
-    }
+  for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * e], s[n][2 * e + 1]));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float alpha = pa_rescale(m, mx);
+  const float alpha = pa_rescale(m, mx * factor);
+  const float pivot = pa_pivot(m);
   float sum = 0.0f;
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      s[n][2 * e + h] = softmax_weight(s[n][2 * e + h], m);
+      s[n][2 * e + h] = pa_exp2(fmaf(s[n][2 * e + h], factor, -pivot));
       sum += s[n][2 * e + h];
     }
   l = l * alpha + sum;
@@ -208,8 +223,8 @@ __device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const
       if (r >= nrows) continue;
       const PaRow row = rows[r];
       const long long th = (long long)row.token * p.num_heads + row.head;
-      const float lv = l[mi][e];
-      const SoftmaxFinish fin = softmax_finish(m[mi][e], lv, row.sink);
+      const float lv = l[mi][e], mn = pa_natural(m[mi][e]);
+      const SoftmaxFinish fin = softmax_finish(mn, lv, row.sink);
       const float fp = oscale * (lv > 0.0f ? 1.0f / lv : 0.0f), fo = oscale * fin.scale;
 #pragma unroll
       for (int n = 0; n < VHD / 8; ++n)
@@ -225,11 +240,37 @@ __device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const
                                    from_float<T>(x * fo);
         }
       if (t == 0 && partial) {
-        max_logits[th * p.max_splits + split] = m[mi][e];
+        max_logits[th * p.max_splits + split] = mn;
         exp_sums[th * p.max_splits + split] = lv;
       }
       if (t == 0 && num_splits == 1 && lse) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
     }
+}
+
+// The keys a row tile loads and masks, a lane a row and the warp's REDUX instructions (no loop over the tile's
+// rows): the union of its rows' visible keys (lo..hi: the only ones loaded), the union of this warp's rows'
+// (wlo..whi: a tile outside it is skipped) and their intersection (all_lo..all_hi: keys no row of the warp masks).
+struct PfKeys {
+  int lo, hi, wlo, whi, all_lo, all_hi;
+};
+
+template <int ROWS, int MW>
+__device__ __forceinline__ PfKeys pf_keys(const PaRow* rows, int nrows, int warp, int lane) {
+  int lo = 0x7fffffff, hi = -1, wlo = 0x7fffffff, whi = -1, all_lo = 0, all_hi = 0x7fffffff;
+#pragma unroll
+  for (int i = 0; i < ROWS / 32; ++i) {  // a count known at compile time: the profiled host build unrolls it too
+    const int r = lane + 32 * i;
+    if (r < nrows && rows[r].lo <= rows[r].hi) { lo = min(lo, rows[r].lo); hi = max(hi, rows[r].hi); }
+  }
+  const int r = 16 * MW * warp + lane;  // the warp's rows: its MW m tiles of 16
+  if (lane < 16 * MW && r < nrows) {
+    if (rows[r].lo <= rows[r].hi) { wlo = rows[r].lo; whi = rows[r].hi; }
+    all_lo = rows[r].lo;
+    all_hi = rows[r].hi;
+  }
+  return {__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi), __reduce_min_sync(0xffffffffu, wlo),
+          __reduce_max_sync(0xffffffffu, whi), __reduce_max_sync(0xffffffffu, all_lo),
+          __reduce_min_sync(0xffffffffu, all_hi)};
 }
 
 template <class T, int KV, int HD, int VHD>
@@ -255,27 +296,18 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
   if (sq.q_len <= p.decode_max_q || split >= sq.splits.count) return;  // a decode kernel's, or idle
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
+  const float qscale2 = qscale * PA_LOG2E;
+  const bool biased = p.softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);  // the logit step's slow path
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   const int ntiles = (all_rows + ROWS - 1) / ROWS;
   for (int it = blockIdx.x % p.tiles; it < ntiles; it += p.tiles) {  // p.tiles apart: rows past the hint too
     const int row0 = (ntiles - 1 - it) * ROWS, nrows = min(ROWS, all_rows - row0);  // heaviest first
     for (int r = threadIdx.x; r < ROWS; r += PD_THREADS)
       rows[r] = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
-    pf_load_q<T, HD, ROWS>(pf_smem + S::Q, q, row0, nrows, group, kv_head, sq.q_start, p);  // kv_pipeline publishes
     __syncthreads();
-    int lo = 0x7fffffff, hi = -1;                // the union of the rows' visible keys: the only ones loaded
-    int wlo = 0x7fffffff, whi = -1;              // the union of this warp's rows'
-    int all_lo = 0, all_hi = 0x7fffffff;         // keys every row of this warp sees
-    for (int r = 0; r < nrows; ++r) {
-      const PaRow& row = rows[r];
-      const bool mine = r / (16 * MW) == warp;
-      if (row.lo <= row.hi) {
-        lo = min(lo, row.lo);
-        hi = max(hi, row.hi);
-        if (mine) { wlo = min(wlo, row.lo); whi = max(whi, row.hi); }
-      }
-      if (mine) { all_lo = max(all_lo, row.lo); all_hi = min(all_hi, row.hi); }
-    }
+    pf_load_q<T, HD, ROWS>(pf_smem + S::Q, q, rows, nrows, p);  // kv_pipeline's first barrier publishes the q tile
+    const PfKeys keys = pf_keys<ROWS, MW>(rows, nrows, warp, lane);
+    const int lo = keys.lo, hi = keys.hi, wlo = keys.wlo, whi = keys.whi, all_lo = keys.all_lo, all_hi = keys.all_hi;
     float o[MW][VHD / 8][4], m[MW][2], l[MW][2];  // rows g, g + 8 of the warp's m tiles
 #pragma unroll
     for (int mi = 0; mi < MW; ++mi) {
@@ -307,10 +339,15 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi) {
         const PaRow* wr = rows + 16 * (MW * warp + mi) + g;
-        const float a0 = pf_softmax(s[mi], 0, m[mi][0], l[mi][0], wr[0], key0, masked, qscale, p.softcap);
-        const float a1 = pf_softmax(s[mi], 1, m[mi][1], l[mi][1], wr[8], key0, masked, qscale, p.softcap);
+        const float a0 = pf_softmax(s[mi], 0, m[mi][0], l[mi][0], wr[0], key0, masked, biased, qscale, qscale2,
+                                    p.softcap);
+        const float a1 = pf_softmax(s[mi], 1, m[mi][1], l[mi][1], wr[8], key0, masked, biased, qscale, qscale2,
+                                    p.softcap);
+        if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f))  // once a row's max settles, o needs no rescale
 #pragma unroll
-        for (int n = 0; n < VHD / 8; ++n) { o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1; }
+          for (int n = 0; n < VHD / 8; ++n) {
+            o[mi][n][0] *= a0; o[mi][n][1] *= a0; o[mi][n][2] *= a1; o[mi][n][3] *= a1;
+          }
       }
       pf_values<T, VHD, TILE, MW>(o, s, vt, lane);
     });
