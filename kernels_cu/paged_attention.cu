@@ -70,6 +70,15 @@
 //       threads spilled at 128 once it looped over queries; MLA 64 x 4096, 128 heads: 231.0 -> 260.9 us, two
 //       waves of 32-head CTAs re-reading the latent rows). FlashAttention's window_size (both sides, causal or
 //       not) and seqused_k.
+//   v7: hot loops that issue less (H200 model v2, bench_paged_attention.py --model; issue_report.py): a tile's keys'
+//       row offsets placed once in shared memory (KvRows), so a 16-byte copy is a shared load, a 64-bit add, a
+//       compare and the cp.async with its ignore-src predicate (8 SASS instructions with ptxas's 3 pads; the
+//       pipeline's dynamic count 163 -> 20-30 a copy); a base-2 online softmax (log2 e in the score scale, one FFMA
+//       and one MUFU.EX2 a weight; softcap, ALiBi and masks only where on); o rescaled only when a warp's maxima
+//       moved; every 16-bit decode with head size <= 128 on tensor cores. Decode 64 x 4096, 32/8 fp16: 822.5 ->
+//       254.0 us (issue 820.5 -> 88.9 us); fp8 701.3 -> 133.3 us; 1 x 32768 116.2 -> 38.8 us; prefill 8 x 2048
+//       1692.6 -> 605.2 us; varlen 192/128 30573 -> 12976 us; MLA 16 heads 122.2 -> 99.2 us, 128 heads 521.1 ->
+//       288.1 us.
 //
 // Uses:      common.cuh, softmax.cuh, tensor_core.cuh (ldmatrix / mma.sync as inline PTX), attention/*.cuh
 // Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch the kernels, reading

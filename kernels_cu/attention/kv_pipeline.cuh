@@ -31,7 +31,8 @@
 namespace cupaged {
 
 // 16 bytes global -> shared, of which `bytes` are read (the rest zero-filled: a row's tail past head_size, a run
-// past a tile's last key). A run-time src-size costs ptxas 5 instructions around the copy: kv_copy16 is for tails.
+// past a tile's last key). A run-time src-size costs ptxas 5 instructions around the copy, so only tails take this
+// form; whole chunks take kv_copy16.
 __device__ __forceinline__ void kv_copy16_part(void* dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(unsigned(__cvta_generic_to_shared(dst))),
                "l"(src), "r"(bytes) : "memory");
@@ -54,7 +55,7 @@ __device__ __forceinline__ void kv_copy(void* dst, const void* src, int bytes, b
 template <class CacheT, int X, class Src>
 __device__ __forceinline__ void kv_copy_elems(unsigned char* dst, int n, Src&& src) {
   CacheT* d = reinterpret_cast<CacheT*>(dst);
-#pragma unroll
+#pragma unroll 1
   for (int e = 0; e < X; ++e) d[e] = e < n ? *src(e) : CacheT();
 }
 
@@ -153,6 +154,17 @@ __device__ __forceinline__ void kv_issue_rows(unsigned char* stage, const CacheT
   } else if (vec) {  // chunks that do not divide the threads (head 192, MLA's 576): a warp a row, a lane a chunk
     constexpr int ROUNDS = (CHUNKS + 31) / 32;
     const int lane = threadIdx.x % 32;
+    if (dims >= DIMS) {  // every chunk whole: one predicated copy each
+#pragma unroll 1
+      for (int j = threadIdx.x / 32; j < TILE; j += THREADS / 32) {
+        const CacheT* from = kv_at(src, row(j));
+#pragma unroll
+        for (int k = 0; k < ROUNDS; ++k)
+          if (CHUNKS % 32 == 0 || lane + 32 * k < CHUNKS)
+            kv_copy16(stage + at(j, lane + 32 * k), from + (lane + 32 * k) * cs, j >= n);
+      }
+      return;
+    }
 #pragma unroll 1
     for (int j = threadIdx.x / 32; j < TILE; j += THREADS / 32) {
       const CacheT* from = kv_at(src, row(j));
