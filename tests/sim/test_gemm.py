@@ -134,3 +134,6 @@ def test_counted_hmma_matches_the_emulated_flops():
     (launch,) = prof.launches
     assert launch.mma_flops == 2 * 128 * 128 * 64
     assert launch.instruction_mix["mma"] * 4096 == launch.mma_flops
+    by_opcode = launch.instructions.by_opcode  # the same count by SASS opcode (profiling/issue_report.py's)
+    assert by_opcode["HMMA"] == launch.instruction_mix["mma"]
+    assert abs(sum(by_opcode.values()) - launch.warp_instructions) <= len(by_opcode)  # each rounded once

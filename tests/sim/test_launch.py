@@ -297,8 +297,9 @@ def test_paged_attention_is_charged_its_own_static_shared_memory():
     family = next(f for f in _runtime.families() if f.stem == "paged_attention")
     mod = _runtime.sim_module(family.source, family.options, family.name_expressions, None)
     charged = mod.static_shared_bytes
-    # ~5.9 KB at most today (paged_decode_mma_kernel's q and P^T tiles); the module's sum is ~190 KB
-    assert max(charged.values()) <= 8 * 1024 < sum(charged.values())
+    # ~8.2 KB at most today (paged_decode_mma_kernel's q and P^T tiles and its stages' KvRows); the module's sum
+    # is ~360 KB
+    assert max(charged.values()) <= 12 * 1024 < sum(charged.values())
 
 
 def test_static_shared_memory_of_kernels_named_by_enumerators():
