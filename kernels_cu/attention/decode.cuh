@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const float qscale2 = qscale * PA_LOG2E;
-  const bool biased = p.softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);  // the logit step's slow path
+  const bool biased = pa_biased(p.softcap, alibi_slopes, qscale2);
   const float oscale = pa_cache_scale<KV>(v_scale, p.v_scale_value, kv_head, p);
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   for (int row0 = (blockIdx.x % p.decode_tiles) * ROWS; row0 < sq.q_len * group; row0 += p.decode_tiles * ROWS) {

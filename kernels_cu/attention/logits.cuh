@@ -77,6 +77,12 @@ __device__ __forceinline__ float pa_exp2(float x) {
   return y;
 }
 
+// Whether a launch takes the logit step's slow path (pa_logit): softcap or ALiBi on, or a scale qscale2 = log2(e)
+// qscale that cannot stand for the logit's order (not positive).
+__device__ __forceinline__ bool pa_biased(float softcap, const float* alibi_slopes, float qscale2) {
+  return softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);
+}
+
 // A base-2 max in natural units.
 __device__ __forceinline__ float pa_natural(float m2) { return m2 * PA_LN2; }
 

@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, 0, 0));
   const float qscale2 = qscale * PA_LOG2E;
-  const bool biased = p.softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);  // the logit step's slow path
+  const bool biased = pa_biased(p.softcap, alibi_slopes, qscale2);
   const float oscale = KV == KV_AUTO ? 1.0f : read_scale(v_scale, p.v_scale_value, 0, 0);
   const int r = 4 * warp + (lane >> 3), j0 = (lane & 7) * 4;  // the softmax lane's row and keys
   const int row0 = 16 * MW * (warp / (4 * MW)), c0 = 8 * NC * (warp % (4 * MW));  // the P V slice

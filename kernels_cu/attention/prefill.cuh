@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const float qscale2 = qscale * PA_LOG2E;
-  const bool biased = p.softcap > 0.0f || alibi_slopes || !(qscale2 > 0.0f);  // the logit step's slow path
+  const bool biased = pa_biased(p.softcap, alibi_slopes, qscale2);
   const int* table = block_tables ? block_tables + seq * p.table_stride : nullptr;
   const int ntiles = (all_rows + ROWS - 1) / ROWS;
   for (int it = blockIdx.x % p.tiles; it < ntiles; it += p.tiles) {  // p.tiles apart: rows past the hint too
