@@ -233,7 +233,9 @@ def prefill_route(key: PlanKey) -> Route | None:
 
 
 def merge_launch(key: PlanKey) -> Launch:
-    """The split merge: a CTA of PA_THREADS per (token, head, PA_MERGE_COLS output columns)."""
+    """The split merge: a warp per (token, head, PA_MERGE_COLS output columns), a CTA of PA_THREADS per token and
+    PA_THREADS / 32 of those (head, columns) pairs."""
     c = kernel_constants()
-    return Launch(reduce_kernel(key.ctype), (key.num_tokens, key.num_heads, -(-key.v_head_size // c["PA_MERGE_COLS"])),
+    pairs = key.num_heads * -(-key.v_head_size // c["PA_MERGE_COLS"])
+    return Launch(reduce_kernel(key.ctype), (key.num_tokens, -(-pairs // (c["PA_THREADS"] // 32)), 1),
                   (c["PA_THREADS"], 1, 1))

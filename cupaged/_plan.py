@@ -118,13 +118,16 @@ def split_for(sms: int, per_sm: int, ctas: int, max_kv: int) -> int:
     """kv_split_size=None for a grid of ``ctas`` CTAs of which ``per_sm`` fit on an SM (0 = no split), chosen from
     the batch's shape, so only a fixed kv_split_size is batch-invariant. A grid that fills >= 90% of a wave (SMs x
     resident CTAs) keeps the SMs at their occupancy and is not split (a split would only add the merge's traffic
-    and launch). A smaller one splits contexts longer than MIN_SPLIT into >= 2 full waves: the fewest splits whose
-    last wave is >= 90% full (a thin last wave is a latency-bound tail), else the fullest within twice the fewest."""
+    and launch). A smaller one splits contexts longer than MIN_SPLIT: the fewest splits whose grid fills >= 90% of
+    a wave and of its last wave (a thin last wave is a latency-bound tail), else the fullest within twice the
+    fewest. Each split more writes and merges one more partial row per (token, head): one wave of long splits
+    reads the same K/V bytes as two of short ones, with half the partials (MLA's 16 heads, 64 x 4096: 4 splits,
+    not 12)."""
     wave = sms * max(per_sm, 1)
     if ctas >= 0.9 * wave or max_kv <= MIN_SPLIT:
         return 0
     ctas = max(ctas, 1)
-    fewest = math.ceil(2 * wave / ctas)
+    fewest = math.ceil(0.9 * wave / ctas)
 
     def fill(splits):  # the grid's CTAs over the waves they take
         n = ctas * split_count(max_kv, max(MIN_SPLIT, math.ceil(max_kv / splits)))

@@ -77,24 +77,38 @@ __device__ __forceinline__ float read_scale(const float* ptr, float value, int p
   return ptr == nullptr ? value : ptr[per_head ? head : 0];
 }
 
-// N source elements quantized into N cache elements; 16-byte source loads and one
-// N * sizeof(CacheT)-byte store when VEC (the wrapper checked alignment), else element by element.
+// N elements (in registers) quantized into N cache elements: one N * sizeof(CacheT)-byte store when VEC (the
+// wrapper checked alignment), else element by element.
 template <int KV, int N, bool VEC, class T, class CacheT>
-__device__ __forceinline__ void quantize_chunk(CacheT* dst, const T* src, float scale) {
+__device__ __forceinline__ void quantize_store(CacheT* dst, const T (&in)[N], float scale) {
   if constexpr (VEC) {
-    constexpr int L = (16 / int(sizeof(T))) < N ? (16 / int(sizeof(T))) : N;
     Vec<CacheT, N> out;
 #pragma unroll
-    for (int i = 0; i < N; i += L) {
-      const Vec<T, L> in = load_vec<T, L>(src + i);
-#pragma unroll
-      for (int j = 0; j < L; ++j) out.v[i + j] = quantize<KV>(in.v[j], scale);
-    }
+    for (int i = 0; i < N; ++i) out.v[i] = quantize<KV>(in[i], scale);
     store_vec<CacheT, N>(dst, out);
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = quantize<KV>(src[i], scale);
+    for (int i = 0; i < N; ++i) dst[i] = quantize<KV>(in[i], scale);
   }
+}
+
+// N source elements quantized into N cache elements; 16-byte source loads when VEC, then quantize_store.
+template <int KV, int N, bool VEC, class T, class CacheT>
+__device__ __forceinline__ void quantize_chunk(CacheT* dst, const T* src, float scale) {
+  T in[N];
+  if constexpr (VEC) {
+    constexpr int L = (16 / int(sizeof(T))) < N ? (16 / int(sizeof(T))) : N;
+#pragma unroll
+    for (int i = 0; i < N; i += L) {
+      const Vec<T, L> x = load_vec<T, L>(src + i);
+#pragma unroll
+      for (int j = 0; j < L; ++j) in[i + j] = x.v[j];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) in[i] = src[i];
+  }
+  quantize_store<KV, N, VEC>(dst, in, scale);
 }
 
 }  // namespace cupaged

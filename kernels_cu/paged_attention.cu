@@ -79,6 +79,10 @@
 //       254.0 us (issue 820.5 -> 88.9 us); fp8 701.3 -> 133.3 us; 1 x 32768 116.2 -> 38.8 us; prefill 8 x 2048
 //       1692.6 -> 605.2 us; varlen 192/128 30573 -> 12976 us; MLA 16 heads 122.2 -> 99.2 us, 128 heads 521.1 ->
 //       288.1 us.
+//   v8: the merge a warp per (token, head, 128 columns), no barrier or shared memory, 8 splits' loads in flight a
+//       lane; splits: the fewest that fill 90% of a wave (each split more is one more partial row to write and
+//       merge). H200 model v2: MLA 64 x 4096, 16 heads 99.2 -> 80.7 us (4 splits, not 12; merge 17.5 -> 5.2 us);
+//       mixed batch 684.5 -> 654.4 us; 1 x 32768 38.8 -> 40.5 us (one wave of 45 splits, not two of 99).
 //
 // Uses:      common.cuh, softmax.cuh, tensor_core.cuh (ldmatrix / mma.sync as inline PTX), attention/*.cuh
 // Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch the kernels, reading

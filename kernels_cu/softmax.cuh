@@ -10,8 +10,8 @@
 // out. L = 0 (every state empty, no sink) gives out 0 and LSE -inf, never 0/0. Empty states are skipped
 // by selection, never weighted by zero: an empty split's m or partial output may be -inf or garbage.
 //
-// Used by:   paged_attention.cu (softmax_finish: one CTA's state and the sink; softmax_merge: the splits in
-//            attention/merge.cuh; softmax_weight: the online-softmax step of attention/logits.cuh),
+// Used by:   paged_attention.cu (softmax_finish: one CTA's state and the sink; softmax_merge: a warp's merge of
+//            the splits in attention/merge.cuh; softmax_weight: the online-softmax step of attention/logits.cuh),
 //            merge_attn_states.cu (lse_merge: two LSE states).
 // Python:    through those kernels: cupaged/attention.py (and the ops on it: paged_attention.py,
 //            paged_attention_vllm.py, varlen_attention.py, mla.py), merge_attn_states.py.
@@ -48,8 +48,10 @@ __device__ __forceinline__ SoftmaxFinish softmax_finish(float m, float l, float 
   return {total > 0.0f ? w / total : 0.0f, softmax_lse(mx, total)};
 }
 
-// n states (m[i], l[i]) and the sink: M, 1 / L (0 when L = 0) and the LSE. The caller weights the
-// output o_i of each non-empty state (l[i] > 0) by softmax_share(m[i], l[i], M) * inv.
+// n states (m[i], l[i]) and the sink, merged by the 32 lanes of a warp (lane i folds states i, i + 32, ...):
+// M, 1 / L (0 when L = 0) and the LSE, the same bits in every lane (a butterfly's two partners add the same two
+// numbers) and fixed by n alone. The caller weights the output o_i of each non-empty state (l[i] > 0) by
+// softmax_share(m[i], l[i], M) * inv.
 struct SoftmaxMerge {
   float mx, inv, lse;
 };
@@ -57,12 +59,16 @@ struct SoftmaxMerge {
 // w_i l_i, the term of a non-empty state in L.
 __device__ __forceinline__ float softmax_share(float m, float l, float mx) { return expf(m - mx) * l; }
 
-__device__ __forceinline__ SoftmaxMerge softmax_merge(const float* m, const float* l, int n, float sink) {
+__device__ __forceinline__ SoftmaxMerge softmax_merge(const float* m, const float* l, int n, float sink, int lane) {
   float mx = sink;
-  for (int i = 0; i < n; ++i) mx = softmax_max(mx, m[i], l[i]);
-  float total = softmax_weight(sink, mx);
-  for (int i = 0; i < n; ++i)
+#pragma unroll 1
+  for (int i = lane; i < n; i += 32) mx = softmax_max(mx, m[i], l[i]);
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float total = lane == 0 ? softmax_weight(sink, mx) : 0.0f;
+#pragma unroll 1
+  for (int i = lane; i < n; i += 32)
     if (l[i] > 0.0f) total += softmax_share(m[i], l[i], mx);
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
   return {mx, total > 0.0f ? 1.0f / total : 0.0f, softmax_lse(mx, total)};
 }
 

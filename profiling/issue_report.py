@@ -71,7 +71,7 @@ def run_mla(args):
     q = sim.asarray(rng.standard_normal((args.batch, int(args.heads), rank + rope)).astype(ml_dtypes.bfloat16))
     with sim.profile() as prof:
         cupaged.mla_decode(q, cache.key_cache[:, :, 0], cache.block_tables, cache.seq_lens, kv_lora_rank=rank,
-                           scale=0.1)
+                           scale=0.1, kv_split_size=args.split)
     return prof
 
 

@@ -195,7 +195,7 @@ def test_a_plan_holds_its_launches_in_order_and_its_merge():
                              (c["PD_THREADS"], 1, 1), prefill.shared_mem)
     assert decode == Launch("cupaged::paged_decode_mma_kernel<__half, cupaged::KV_AUTO, 64, false>", (4 * 6, 2, 3),
                             (c["PD_THREADS"], 1, 1), decode_mma_smem_bytes(2, 64))
-    assert plan.merge == Launch("cupaged::paged_attention_reduce_kernel<__half>", (44, 4, 1), (c["PA_THREADS"], 1, 1))
+    assert plan.merge == Launch("cupaged::paged_attention_reduce_kernel<__half>", (44, 1, 1), (c["PA_THREADS"], 1, 1))
     with pytest.raises(dataclasses.FrozenInstanceError):
         prefill.grid = (1, 1, 1)
     whole = cupaged.plan_attention(*args, max_query_len=40, kv_split_size=0)
@@ -257,16 +257,20 @@ def _decode_waves(plan) -> float:
 
 @pytest.mark.parametrize("heads, kv_cache_dtype", [((32, 8), "auto"), ((64, 8), "auto"), ((64, 8), "fp8")])
 def test_splits_come_from_the_decode_kernels_occupancy(heads, kv_cache_dtype):
-    """kv_split_size=None: a grid under a wave of resident CTAs splits its long contexts into >= 2 full waves
-    (or splits of MIN_SPLIT keys) whose last is >= 90% full; one that fills a wave (64 x 4096) is not split, nor a
-    short context."""
+    """kv_split_size=None: a grid under a wave of resident CTAs splits its long contexts into the fewest splits
+    that fill >= 90% of a wave (or splits of MIN_SPLIT keys), the last wave >= 90% full; one that fills a wave
+    (64 x 4096) is not split, nor a short context."""
     q1, q64 = (np.empty((n, heads[0], 128), F16) for n in (1, 64))
     cache = np.empty((1, 16, heads[1], 128), np.uint8 if kv_cache_dtype == "fp8" else F16)
     kv = cupaged.KvView.paged(cache, cache, q1, kv_cache_dtype)
     long = cupaged.plan_attention(q1, kv, np.empty((1, 2048), np.int32), np.empty(1, np.int32), max_seq_len=32768)
     waves = _decode_waves(long)
-    assert long.max_splits > 1 and (waves >= 2 or long.kv_split_size == MIN_SPLIT), waves  # splits of >= 256 keys
-    assert waves / math.ceil(waves) >= 0.9, waves
+    assert long.max_splits > 1 and waves >= 0.9 and waves / math.ceil(waves) >= 0.9, waves
+    fewer = cupaged.plan_attention(q1, kv, np.empty((1, 2048), np.int32), np.empty(1, np.int32), max_seq_len=32768,
+                                   kv_split_size=math.ceil(32768 / (long.max_splits - 1)))
+    assert _decode_waves(fewer) < 0.9, "not the fewest splits that fill the wave"
+    tiny = cupaged.plan_attention(q1, kv, np.empty((1, 2048), np.int32), np.empty(1, np.int32), max_seq_len=4096)
+    assert tiny.kv_split_size == MIN_SPLIT and tiny.max_splits == 4096 // MIN_SPLIT  # splits of >= 256 keys
     batch = cupaged.plan_attention(q64, kv, np.empty((64, 256), np.int32), np.empty(64, np.int32), max_seq_len=4096)
     assert batch.max_splits == 1 and _decode_waves(batch) >= 0.9
     short = cupaged.plan_attention(q1, kv, np.empty((1, 16), np.int32), np.empty(1, np.int32), max_seq_len=256)

@@ -225,3 +225,28 @@ def test_rotary_embedding_names_a_missing_array():
                        ("k", (np.arange(5), q, None))):
         with pytest.raises(TypeError, match=f"^{name} must be a numpy or cupy array"):
             emb(*args)
+
+
+@pytest.mark.parametrize("style", ["neox", "partial-gptj"])
+def test_rope_and_cache_reads_each_q_k_v_byte_once(style):
+    """Counted by the sim's profiler: k and v are each read once, q's rotated dimensions once (k's rotated runs go
+    to the cache from the registers that rotated them; v2 read a token's k back after a barrier), the position by
+    the threads of the cos / sin row only (v2: every thread, 128 loads a token)."""
+    from cupaged import sim
+
+    head_size, rotary_dim, neox, _, _ = STYLES[style]
+    tokens, heads, kv_heads = 9, 4, 2
+    rng = np.random.default_rng(5)
+    q, k, v = (sim.asarray(rng.standard_normal((tokens, h, head_size)).astype(F16)) for h in (heads, kv_heads, kv_heads))
+    emb = cupaged.RotaryEmbedding(head_size, is_neox_style=neox, rotary_dim=rotary_dim)
+    kc, vc = sim.zeros((4, 16, kv_heads, head_size), F16), sim.zeros((4, 16, kv_heads, head_size), F16)
+    positions = sim.asarray(rng.integers(0, 64, tokens).astype(np.int64))
+    with sim.profile() as prof:
+        cupaged.rope_and_cache(q, k, v, positions, emb.cos_sin_cache(64), kc, vc,
+                               sim.asarray(rng.permutation(64)[:tokens].astype(np.int64)), "auto", 1.0, 1.0,
+                               is_neox_style=neox)
+    args = prof.launches[0].args
+    rotated = q.nbytes * emb.rotary_dim // head_size
+    for name, nbytes in (("q", rotated), ("k", k.nbytes), ("v", v.nbytes)):
+        assert args[name].bytes_read == nbytes, (name, args[name].bytes_read, nbytes)
+    assert args["positions"].bytes_read == tokens * 8 * (emb.rotary_dim // 2)
