@@ -49,12 +49,16 @@ __device__ __forceinline__ SoftmaxFinish softmax_finish(float m, float l, float 
 }
 
 // n states (m[i], l[i]) and the sink, merged by the 32 lanes of a warp (lane i folds states i, i + 32, ...):
-// M, 1 / L (0 when L = 0) and the LSE, the same bits in every lane (a butterfly's two partners add the same two
-// numbers) and fixed by n alone. The caller weights the output o_i of each non-empty state (l[i] > 0) by
-// softmax_share(m[i], l[i], M) * inv.
+// M, L and the LSE, the same bits in every lane (a butterfly's two partners add the same two numbers) and fixed by
+// n alone. The caller weights the output o_i of each non-empty state (l[i] > 0) by softmax_share(m[i], l[i], M)
+// and divides the sum by L (softmax_inverse) last: the IEEE reciprocal's slow path is a call, and every register
+// live across it on sm_80 is saved to local memory.
 struct SoftmaxMerge {
-  float mx, inv, lse;
+  float mx, total, lse;
 };
+
+// 1 / L, 0 when L = 0 (nothing visible, no sink).
+__device__ __forceinline__ float softmax_inverse(float total) { return total > 0.0f ? __frcp_rn(total) : 0.0f; }
 
 // w_i l_i, the term of a non-empty state in L.
 __device__ __forceinline__ float softmax_share(float m, float l, float mx) { return expf(m - mx) * l; }
@@ -69,7 +73,7 @@ __device__ __forceinline__ SoftmaxMerge softmax_merge(const float* m, const floa
   for (int i = lane; i < n; i += 32)
     if (l[i] > 0.0f) total += softmax_share(m[i], l[i], mx);
   for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
-  return {mx, total > 0.0f ? 1.0f / total : 0.0f, softmax_lse(mx, total)};
+  return {mx, total, softmax_lse(mx, total)};
 }
 
 // Two LSE states with normalised outputs o1, o2: out = w1 o1 + w2 o2 and the merged LSE. An infinite LSE

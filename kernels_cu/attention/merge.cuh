@@ -54,6 +54,8 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   const float* m = max_logits + th * p.max_splits;
   const float* l = exp_sums + th * p.max_splits;
   const SoftmaxMerge mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf(), lane);
+  const float inv = softmax_inverse(mg.total);
+  if (lse && lane == 0 && item % chunks == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
   // v_head_size is a multiple of 8: a lane's 4 columns are all in or out.
   const bool live = d0 < p.v_head_size;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -82,8 +84,7 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
   }
   T* o = out + token * p.out_token_stride + head * p.out_head_stride + d0;
   if (live)
-    for (int k = 0; k < 4; ++k) o[k] = from_float<T>(acc[k] * mg.inv);
-  if (lse && lane == 0 && item % chunks == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
+    for (int k = 0; k < 4; ++k) o[k] = from_float<T>(acc[k] * inv);
 }
 
 }  // namespace cupaged
