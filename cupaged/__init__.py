@@ -8,6 +8,7 @@ data arrays. See README.md for the API tour.
 from cupaged.attention import AttentionPlan, KvView, plan_attention, run_attention, workspace_bytes
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache, swap_blocks
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
+from cupaged.convert_fp8 import convert_fp8
 from cupaged.kv_cache import KVCache, KVCacheTooLarge
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_chunked_prefill, mla_decode
@@ -27,7 +28,7 @@ del _public
 
 __all__ = [
     "reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla", "gather_and_maybe_dequant_cache",
-    "cp_gather_cache", "copy_blocks", "swap_blocks", "paged_attention", "paged_attention_v1",
+    "convert_fp8", "cp_gather_cache", "copy_blocks", "swap_blocks", "paged_attention", "paged_attention_v1",
     "paged_attention_v2", "varlen_attention", "mla_decode", "AttentionPlan", "KvView", "plan_attention",
     "run_attention", "workspace_bytes",
     "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",

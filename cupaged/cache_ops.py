@@ -1,5 +1,6 @@
 """KV cache writes (kernels_cu/cache_ops.cu): new keys/values into the paged cache in the flash,
-vLLM and MLA layouts, fp8 with scales. Gathers, block copies and swaps: cache_gather.py."""
+vLLM and MLA layouts, fp8 with scales. Gathers, block copies and swaps: cache_gather.py; the family's
+standalone fp8 conversion: convert_fp8.py."""
 
 from __future__ import annotations
 
@@ -63,11 +64,18 @@ def _mla(t, kv, slot):
     return f"cupaged::concat_and_cache_mla_kernel<{t}, {kv}, {slot}>"
 
 
+def convert_fp8_name(t: str, kv: str, quantize: bool) -> str:
+    """convert_fp8_kernel's name expression (launched from cupaged/convert_fp8.py): float type, fp8 kind,
+    direction (True: floats to codes)."""
+    return f"cupaged::convert_fp8_kernel<{t}, {kv}, {'true' if quantize else 'false'}>"
+
+
 _TYPES = [(CTYPE[d], 16 // d.itemsize) for d in FLOAT_DTYPES]
 FAMILY = KernelFamily("cache_ops", [
     *(_flash(t, kv, s, v) for t, vec in _TYPES for kv in KV_KINDS for s in SLOTS for v in (1, vec)),
     *(_vllm(t, kv, s, v) for t, _ in _TYPES for kv in KV_KINDS for s in SLOTS for v in (False, True)),
     *(_mla(t, kv, s) for t, _ in _TYPES for kv in KV_KINDS for s in SLOTS),
+    *(convert_fp8_name(t, kv, q) for t, _ in _TYPES for kv in KV_KINDS if kv != KV_CODE["auto"] for q in (True, False)),
 ])
 
 

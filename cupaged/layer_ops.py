@@ -11,30 +11,59 @@ import numpy as np
 from cupaged._attention_args import check_hint, validate_offsets, validate_tables
 from cupaged._backend import device_key, host_copy, is_host_array, module_of, on_sim, to_device
 from cupaged._cache_args import check_slots_in_pool
+from cupaged._checks import check_int
+from cupaged.kv_cache import KVCache
 
-__all__ = ["ContextCache", "linear", "rms_norm", "rope_cache", "rope_positions", "check_positions", "device_plan",
-           "validate_plan", "whole_sequences"]
+__all__ = ["ContextCache", "linear", "rms_norm", "layer_norm", "qk_normalize", "rope_cache", "rope_rows",
+           "rope_positions", "check_positions", "cache_arrays", "device_plan", "validate_plan", "whole_sequences"]
 
 _DEVICE_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host BatchPlan -> {xp: its upload}
 _ROPE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # RotaryEmbedding -> {xp: cos_sin}
 
 
-def linear(x, w):
-    """y = x · wᵀ for w ``[out_features, in_features]``, accumulated in float32 and rounded once to x's dtype:
-    ``xp.matmul`` (cuBLAS on a GPU, which accumulates 16-bit inputs in float32); on numpy, and for bfloat16,
-    through float32 copies (numpy has no 16-bit BLAS)."""
+def linear(x, w, b=None):
+    """y = x · wᵀ (+ b ``[out_features]``) for w ``[out_features, in_features]``, accumulated in float32 and
+    rounded once to x's dtype: ``xp.matmul`` (cuBLAS on a GPU, which accumulates 16-bit inputs in float32, then
+    the bias added in float32: a second rounding); on numpy, and for bfloat16, through float32 copies (numpy has no
+    16-bit BLAS)."""
     xp = module_of(x)
     if x.dtype == np.float32 or (not on_sim(xp) and x.dtype == np.float16):
-        return xp.matmul(x, w.T)
-    return xp.matmul(x.astype(np.float32), w.T.astype(np.float32)).astype(x.dtype)
+        y = xp.matmul(x, w.T)
+        return y if b is None else (y.astype(np.float32) + b.astype(np.float32)).astype(x.dtype)
+    y = xp.matmul(x.astype(np.float32), w.T.astype(np.float32))
+    return (y if b is None else y + b.astype(np.float32)).astype(x.dtype)
 
 
 def rms_norm(x, weight, eps: float):
-    """RMSNorm over the last dimension: x / sqrt(mean(x²) + eps) · weight, in float32, rounded once."""
+    """RMSNorm over the last dimension: x / sqrt(mean(x²) + eps) · weight (None: no weight), in float32, rounded
+    once."""
     x32 = x.astype(np.float32)
     xp = module_of(x)
-    inv = 1.0 / xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))
-    return (x32 * inv * weight.astype(np.float32)).astype(x.dtype)
+    y = x32 / xp.sqrt(xp.mean(x32 * x32, axis=-1, keepdims=True) + np.float32(eps))
+    return (y if weight is None else y * weight.astype(np.float32)).astype(x.dtype)
+
+
+def layer_norm(x, weight, eps: float):
+    """LayerNorm over the last dimension without a bias: (x - mean) / sqrt(var + eps) · weight (``[head_dim]``, or
+    ``[heads, head_dim]`` for x ``[tokens, heads, head_dim]``), in float32, rounded once."""
+    x32 = x.astype(np.float32)
+    xp = module_of(x)
+    d = x32 - xp.mean(x32, axis=-1, keepdims=True)
+    y = d / xp.sqrt(xp.mean(d * d, axis=-1, keepdims=True) + np.float32(eps))
+    return (y * weight.astype(np.float32)).astype(x.dtype)
+
+
+def qk_normalize(x, kind: str | None, weight, eps: float):
+    """x ``[tokens, heads, head_dim]`` normalized as the layer's ``qk_norm`` says (cupaged._layer_options): over
+    head_dim, or over all heads' features ("rms_all_heads"); x itself for None."""
+    if kind is None:
+        return x
+    if kind == "layer_head":
+        return layer_norm(x, weight, eps)
+    if kind == "rms_all_heads":
+        t, heads, d = x.shape
+        return rms_norm(x.reshape(t, heads * d), weight, eps).reshape(t, heads, d)
+    return rms_norm(x, weight if kind == "rms_head" else None, eps)
 
 
 def rope_positions(plan, block_size: int) -> int:
@@ -65,6 +94,39 @@ def rope_cache(rope, num_positions: int, xp):
         have = per_xp[key] = to_device(xp, rope.cos_sin_cache(n),
                                        "the layer's RoPE cos / sin cache (run a step before capturing)")
     return have
+
+
+def rope_rows(rope, plan, xp):
+    """(token indices, table) for ``rope_and_cache`` under a scaling whose frequencies follow each sequence's
+    current length (``rope.per_length``: dynamic NTK, LongRoPE): row t of the table holds token t's cos / sin at its
+    position with its own sequence's frequencies, indexed by int32 t. Reads the plan's positions, seq_lens and
+    query_start_loc on the host (a device read for a device plan), and uploads the table every step."""
+    positions = host_copy(plan.positions).astype(np.int64)
+    q_lens = np.diff(host_copy(plan.query_start_loc).astype(np.int64))
+    lens = np.repeat(host_copy(plan.seq_lens).astype(np.int64), q_lens)
+    table = rope.cos_sin_rows(positions, lens)
+    what = "the layer's per-sequence RoPE rows (a dynamic / longrope scaling reads the plan every step)"
+    return to_device(xp, np.arange(positions.shape[0], dtype=np.int32), what), to_device(xp, table, what)
+
+
+def cache_arrays(attn, kv_cache, layer, plan, xp):
+    """Layer ``layer``'s key and value caches of ``kv_cache``, checked against the layer ``attn`` and the plan."""
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(f"kv_cache must be a cupaged.KVCache for attn_type='self', got {type(kv_cache).__name__}")
+    layer = check_int("layer", layer, 0, kv_cache.num_layers - 1)
+    if kv_cache.layout not in ("NHD", "HND"):
+        raise NotImplementedError(f"kv_cache.layout={kv_cache.layout!r}: the layer writes and reads flash "
+                                  f"caches ('NHD' or 'HND')")
+    if (kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.dtype) != (attn.n_kv_heads, attn.head_dim, attn.dtype):
+        raise ValueError(f"kv_cache holds {kv_cache.num_kv_heads} kv heads of {kv_cache.head_size} in "
+                         f"{kv_cache.dtype}; the layer has {attn.n_kv_heads} of {attn.head_dim} in {attn.dtype}")
+    if plan.block_size is not None and plan.block_size != kv_cache.block_size:
+        raise ValueError(f"kv_cache has blocks of {kv_cache.block_size} tokens; plan's pool has blocks of "
+                         f"{plan.block_size}")
+    key, value = kv_cache.key(layer), kv_cache.value(layer)
+    if module_of(key) is not xp:
+        raise TypeError("kv_cache lives on another backend than x (numpy arrays: the sim; cupy: the GPU)")
+    return key, value
 
 
 def device_plan(plan, xp):

@@ -15,18 +15,17 @@ layer: the projections (``xp.matmul``: cuBLAS on a GPU), QK-norm, then
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from cupaged._attention_args import MAX_HEAD_SIZE, check_tables
-from cupaged._backend import array_module, is_host_array, module_of
+from cupaged._backend import array_module, device_key, host_copy, is_host_array, module_of, to_device
 from cupaged._checks import check_bool, check_choice, check_float, check_int, float_dtype, validate_enabled
+from cupaged._layer_options import layer_options
+from cupaged._layer_weights import expected_shapes, load_weights
 from cupaged.attention import KvView, plan_attention, run_attention
 from cupaged.cache_ops import reshape_and_cache_flash
-from cupaged.kv_cache import KVCache
-from cupaged.layer_ops import ContextCache, check_positions, device_plan, linear, rms_norm, rope_cache, \
-    rope_positions, validate_plan, whole_sequences
+from cupaged.layer_ops import ContextCache, cache_arrays, check_positions, device_plan, linear, qk_normalize, \
+    rope_cache, rope_positions, rope_rows, validate_plan, whole_sequences
 from cupaged.rope import RotaryEmbedding, rope_and_cache
 from cupaged.varlen_attention import varlen_attention
 
@@ -43,10 +42,20 @@ class Attention:
     learnable ``q_norm`` / ``k_norm`` weights) on q and k before RoPE. ``rope``: a :class:`cupaged.RotaryEmbedding`
     for ``"self"`` / ``"full"`` (None: no rotation); ``"cross"`` never rotates. ``dtype``: the weights', the
     inputs' and the KV cache's dtype. ``k_scale`` / ``v_scale`` (attributes, default 1.0): an fp8 cache's scales.
+
+    The model families' options (keyword-only; cupaged/_layer_options.py): ``bias`` (q / k / v / o biases
+    ``bq``, ``bk``, ``bv``, ``bo``, or ``bqkv`` with ``wqkv``; no ``bo`` means zero), ``scale`` (the softmax
+    scale; None: 1/sqrt(head_dim)), ``softcap`` (logits c·tanh(logits / c)), ``sliding_window`` (W: a query
+    at p sees keys in (p − W, p]; "self" only), ``sinks`` (a learned logit per head, loaded as ``sinks``),
+    ``alibi`` (None, True for Bloom / MPT's slopes from the head count, or n_heads slopes; not "cross"),
+    ``qk_norm`` (None, "rms_head" = ``use_qk_normalization``, "layer_head": LayerNorm over head_dim with
+    weights ``[head_dim]`` or per head, "rms_all_heads": RMSNorm over all heads' features with weights of
+    n_heads·head_dim / n_kv_heads·head_dim, "l2": x / sqrt(mean(x²) + norm_eps) over head_dim, no weight).
     """
 
     def __init__(self, n_heads, n_kv_heads, dim, *, head_dim=None, context_dim=None, fuse_qkv=False,
-                 use_qk_normalization=False, norm_eps=1e-5, attn_type="self", rope=None, dtype=np.float32):
+                 use_qk_normalization=False, norm_eps=1e-5, attn_type="self", rope=None, dtype=np.float32,
+                 bias=False, scale=None, softcap=None, sliding_window=None, sinks=False, alibi=None, qk_norm=None):
         self.n_heads = check_int("n_heads", n_heads, 1)
         self.n_kv_heads = self.n_heads if n_kv_heads is None else check_int("n_kv_heads", n_kv_heads, 1)
         if self.n_heads % self.n_kv_heads:
@@ -71,42 +80,28 @@ class Attention:
         self.dtype = float_dtype("dtype", dtype)
         if self.fuse_qkv and self.context_dim != self.dim:
             raise ValueError(f"fuse_qkv needs context_dim == dim, got context_dim={self.context_dim}, dim={dim}")
+        self.options = layer_options(self.n_heads, self.head_dim, attn_type, bias=bias, scale=scale, softcap=softcap,
+                                     sliding_window=sliding_window, sinks=sinks, alibi=alibi, qk_norm=qk_norm,
+                                     use_qk_normalization=self.use_qk_normalization)
         self.k_scale = self.v_scale = 1.0
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.weights: dict = {}
+        self._slopes: dict = {}  # device_key(xp) -> the ALiBi slopes where that backend's kernels read them
 
     # -- weights --------------------------------------------------------------------------------
 
     def expected_shapes(self) -> dict:
-        """The ``load_state_dict`` keys this layer takes, with their shapes ``[out_features, in_features]``."""
-        shapes = ({"wqkv": (self.q_size + 2 * self.kv_size, self.dim)} if self.fuse_qkv else
-                  {"wq": (self.q_size, self.dim), "wk": (self.kv_size, self.context_dim),
-                   "wv": (self.kv_size, self.context_dim)})
-        shapes["wo"] = (self.dim, self.q_size)
-        if self.use_qk_normalization:
-            shapes["q_norm"] = shapes["k_norm"] = (self.head_dim,)
-        return shapes
+        """The ``load_state_dict`` keys this layer takes, with their shapes ``[out_features, in_features]`` (vectors:
+        ``[features]``; ``bo`` may be left out; "layer_head" norms also take per-head ``[heads, head_dim]``)."""
+        return expected_shapes(self)
 
     def load_state_dict(self, state_dict) -> None:
         """Weights ``{"wq", "wk", "wv", "wo"}`` or ``{"wqkv", "wo"}`` (matrices ``[out_features, in_features]``:
-        y = x · Wᵀ), plus ``"q_norm"`` / ``"k_norm"`` ``[head_dim]`` with QK-norm; numpy (the sim) or cupy
-        arrays, cast to the layer's dtype. Separate wq / wk / wv are fused into wqkv when ``fuse_qkv``. Every
-        key and shape is checked before anything is kept; a missing or unexpected key is a ``KeyError``."""
-        state = dict(state_dict)
-        if self.fuse_qkv and "wqkv" not in state and {"wq", "wk", "wv"} <= state.keys():
-            parts = [state.pop(k) for k in ("wq", "wk", "wv")]
-            xp = array_module(wq=parts[0], wk=parts[1], wv=parts[2])
-            for k, w, n in zip(("wq", "wk", "wv"), parts, (self.q_size, self.kv_size, self.kv_size)):
-                _check_shape(k, w, (n, self.dim))
-            state["wqkv"] = xp.concatenate(parts, axis=0)
-        want = self.expected_shapes()
-        missing, extra = sorted(want.keys() - state.keys()), sorted(state.keys() - want.keys())
-        if missing or extra:
-            raise KeyError(f"load_state_dict: missing {missing}, unexpected {extra} (expected {sorted(want)})")
-        xp = array_module(**state)
-        for k, shape in want.items():
-            _check_shape(k, state[k], shape)
-        self.weights = {k: xp.ascontiguousarray(xp.asarray(state[k]).astype(self.dtype)) for k in want}
+        y = x · Wᵀ + b), plus the biases, ``"q_norm"`` / ``"k_norm"`` and ``"sinks"`` the options ask for
+        (:meth:`expected_shapes`); numpy (the sim) or cupy arrays, cast to the layer's dtype (sinks: float32).
+        Separate wq / wk / wv (and bq / bk / bv) are fused when ``fuse_qkv``. Every key and shape is checked before
+        anything is kept; a missing or unexpected key is a ``KeyError``."""
+        self.weights = load_weights(self, state_dict)
 
     def state_dict(self) -> dict:
         return dict(self.weights)
@@ -139,7 +134,7 @@ class Attention:
         check_tables(plan.block_tables, plan.seq_lens, plan.query_start_loc, x.shape[0])
         validate = validate_enabled(validate)
         if self.attn_type == "self":
-            cache = self._cache_arrays(kv_cache, layer, plan, xp)
+            cache = cache_arrays(self, kv_cache, layer, plan, xp)
             if validate:
                 validate_plan(plan, x.shape[0], kv_cache.num_blocks, kv_cache.block_size)
             if self.rope is not None and (validate or is_host_array(plan.positions)):
@@ -157,71 +152,78 @@ class Attention:
         plan = device_plan(plan, xp)
         t = x.shape[0]
         if self.attn_type == "cross":
-            q = linear(x, self._qkv_weights()[0]).reshape(t, self.n_heads, self.head_dim)
+            q = linear(x, *self._qkv_weights()[0]).reshape(t, self.n_heads, self.head_dim)
             k, v, cu_k, max_k, fresh = self._context_kv(plan, kv_cache, layer, context, xp)
         else:
             q, k, v = self._qkv(x)
-        if self.use_qk_normalization:
-            q = rms_norm(q, w["q_norm"], self.norm_eps)
-            if self.attn_type != "cross":
-                k = rms_norm(k, w["k_norm"], self.norm_eps)
+        norm = self.options.qk_norm
+        q = qk_normalize(q, norm, w.get("q_norm"), self.norm_eps)
+        if self.attn_type != "cross":  # the context's keys were normalized when projected
+            k = qk_normalize(k, norm, w.get("k_norm"), self.norm_eps)
         out = xp.empty((t, self.n_heads, self.head_dim), self.dtype)
         if t:
             if self.attn_type == "self":
                 self._paged(q, k, v, plan, kv_cache, cache, out, validate)
             elif self.attn_type == "full":
                 if self.rope is not None:
-                    self.rope(plan.positions, q, k)
+                    self._rotate_whole(plan, q, k)
                 varlen_attention(q, k, v, plan.query_start_loc, plan.query_start_loc, causal=False,
                                  max_seqlen_q=plan.max_query_len, max_seqlen_k=plan.max_query_len, out=out,
-                                 validate=validate)
+                                 validate=validate, **self._softmax_args(xp))
             else:
-                varlen_attention(q, k, v, plan.query_start_loc, cu_k, causal=False,
-                                 max_seqlen_q=plan.max_query_len, max_seqlen_k=max_k, out=out, validate=validate)
+                varlen_attention(q, k, v, plan.query_start_loc, cu_k, causal=False, max_seqlen_q=plan.max_query_len,
+                                 max_seqlen_k=max_k, out=out, validate=validate, **self._softmax_args(xp))
         if self.attn_type == "cross" and kv_cache is not None:  # kept once the step has run
             for seq_id, (ck, cv) in fresh.items():
                 kv_cache.put(seq_id, layer, ck, cv)
-        return linear(out.reshape(t, self.q_size), w["wo"])
+        return linear(out.reshape(t, self.q_size), w["wo"], w.get("bo"))
 
     __call__ = forward
 
+    def _softmax_args(self, xp) -> dict:
+        """The options every attention op takes: scale, softcap, sinks, ALiBi slopes (on xp's device)."""
+        o = self.options
+        slopes = None
+        if o.alibi_slopes is not None:
+            key = device_key(xp)
+            slopes = self._slopes.get(key)
+            if slopes is None:
+                slopes = self._slopes[key] = to_device(xp, o.alibi_slopes, "the layer's ALiBi slopes (run a step "
+                                                                           "before capturing)")
+        return {"scale": o.scale, "softcap": o.softcap, "sinks": self.weights.get("sinks"), "alibi_slopes": slopes}
+
+    def _rotate_whole(self, plan, q, k):
+        """"full" attention's RoPE: one launch, or one a sequence when the frequencies follow each sequence's
+        length (``rope.per_length``: the rotation then reads max(positions) + 1 = its length, HF's rule)."""
+        if not self.rope.per_length:
+            self.rope(plan.positions, q, k)
+            return
+        starts = host_copy(plan.query_start_loc).tolist()
+        for a, b in zip(starts[:-1], starts[1:]):
+            if b > a:
+                self.rope(plan.positions[a:b], q[a:b], k[a:b])
+
     def _qkv_weights(self):
-        """(wq, wk, wv): the separate matrices, or views of wqkv's rows."""
+        """((wq, bq), (wk, bk), (wv, bv)): the separate matrices and biases (None without), or views of wqkv's and
+        bqkv's rows."""
         w = self.weights
         if not self.fuse_qkv:
-            return w["wq"], w["wk"], w["wv"]
-        qkv, q, kv = w["wqkv"], self.q_size, self.kv_size
-        return qkv[:q], qkv[q:q + kv], qkv[q + kv:]
+            return tuple((w[f"w{n}"], w.get(f"b{n}")) for n in "qkv")
+        q, kv = self.q_size, self.kv_size
+        cut = (slice(0, q), slice(q, q + kv), slice(q + kv, None))
+        b = w.get("bqkv")
+        return tuple((w["wqkv"][c], None if b is None else b[c]) for c in cut)
 
     def _qkv(self, x):
         t = x.shape[0]
         if self.fuse_qkv:  # one GEMM; q, k and v are views of its rows
-            qkv = linear(x, self.weights["wqkv"])
+            qkv = linear(x, self.weights["wqkv"], self.weights.get("bqkv"))
             parts = (qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size],
                      qkv[:, self.q_size + self.kv_size:])
         else:
-            parts = tuple(linear(x, w) for w in self._qkv_weights())
+            parts = tuple(linear(x, w, b) for w, b in self._qkv_weights())
         heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
         return tuple(p.reshape(t, h, self.head_dim) for p, h in zip(parts, heads))
-
-    def _cache_arrays(self, kv_cache, layer, plan, xp):
-        """Layer ``layer``'s key and value caches, checked against the layer and the plan."""
-        if not isinstance(kv_cache, KVCache):
-            raise TypeError(f"kv_cache must be a cupaged.KVCache for attn_type='self', got {type(kv_cache).__name__}")
-        layer = check_int("layer", layer, 0, kv_cache.num_layers - 1)
-        if kv_cache.layout not in ("NHD", "HND"):
-            raise NotImplementedError(f"kv_cache.layout={kv_cache.layout!r}: the layer writes and reads flash "
-                                      f"caches ('NHD' or 'HND')")
-        if (kv_cache.num_kv_heads, kv_cache.head_size, kv_cache.dtype) != (self.n_kv_heads, self.head_dim, self.dtype):
-            raise ValueError(f"kv_cache holds {kv_cache.num_kv_heads} kv heads of {kv_cache.head_size} in "
-                             f"{kv_cache.dtype}; the layer has {self.n_kv_heads} of {self.head_dim} in {self.dtype}")
-        if plan.block_size is not None and plan.block_size != kv_cache.block_size:
-            raise ValueError(f"kv_cache has blocks of {kv_cache.block_size} tokens; plan's pool has blocks of "
-                             f"{plan.block_size}")
-        key, value = kv_cache.key(layer), kv_cache.value(layer)
-        if module_of(key) is not xp:
-            raise TypeError("kv_cache lives on another backend than x (numpy arrays: the sim; cupy: the GPU)")
-        return key, value
 
     def _paged(self, q, k, v, plan, kv_cache, cache, out, validate):
         key, value = cache
@@ -229,15 +231,21 @@ class Attention:
         kv = KvView.paged(key, value, q, kvd, layout)  # planned before the cache write: a plan that raises
         attn = plan_attention(q, kv, plan.block_tables, plan.seq_lens, plan.query_start_loc,  # writes nothing
                               max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len)
+        xp = module_of(q)
         if self.rope is None:
             reshape_and_cache_flash(k, v, key, value, plan.slot_mapping, kvd, self.k_scale, self.v_scale,
                                     layout=layout, validate=validate)
         else:
-            cos_sin = rope_cache(self.rope, rope_positions(plan, kv_cache.block_size), module_of(q))
-            rope_and_cache(q, k, v, plan.positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
+            if self.rope.per_length:  # each token's row at its own sequence's frequencies
+                positions, cos_sin = rope_rows(self.rope, plan, xp)
+            else:
+                positions = plan.positions
+                cos_sin = rope_cache(self.rope, rope_positions(plan, kv_cache.block_size), xp)
+            rope_and_cache(q, k, v, positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
                            self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout, validate=validate)
         run_attention(attn, q, kv, out, None, plan.block_tables, plan.seq_lens, plan.query_start_loc,
-                      scale=1.0 / math.sqrt(self.head_dim), k_scale=self.k_scale, v_scale=self.v_scale)
+                      sliding_window=self.options.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale,
+                      **self._softmax_args(xp))
 
     def _context_kv(self, plan, store, layer, context, xp):
         """The batch's context keys and values packed along the token axis, their cu_seqlens and longest length,
@@ -270,12 +278,6 @@ class Attention:
     def _project_context(self, c):
         _, wk, wv = self._qkv_weights()
         shape = (c.shape[0], self.n_kv_heads, self.head_dim)
-        k, v = linear(c, wk).reshape(shape), linear(c, wv).reshape(shape)
-        if self.use_qk_normalization:
-            k = rms_norm(k, self.weights["k_norm"], self.norm_eps)
-        return k, v
+        k, v = linear(c, *wk).reshape(shape), linear(c, *wv).reshape(shape)
+        return qk_normalize(k, self.options.qk_norm, self.weights.get("k_norm"), self.norm_eps), v
 
-
-def _check_shape(name, w, shape):
-    if getattr(w, "shape", None) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {getattr(w, 'shape', type(w).__name__)}")

@@ -5,7 +5,6 @@ of k and v in one launch."""
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
@@ -13,11 +12,12 @@ from cupaged._annotate import op_launch
 from cupaged._backend import device_key, host_copy, module_of, struct_arg, to_device
 from cupaged._cache_args import (KV_CODE, KV_KINDS, SLOT_DTYPES, check_no_overlap, check_slot_mapping, kv_dtype_name,
                                  op_array_module)
-from cupaged._checks import (CTYPE, FLOAT_DTYPES, address, check_bool, check_dtype, check_float, check_int,
+from cupaged._checks import (CTYPE, FLOAT_DTYPES, address, check_bool, check_dtype, check_int,
                              check_last_contiguous, check_ndim, check_writable, element_strides, validate_enabled)
 from cupaged._cost import Cost
 from cupaged._interop import accepts_foreign_arrays
 from cupaged._mirror import constants, struct_dtype
+from cupaged._rope_scaling import resolve
 from cupaged._runtime import KernelFamily
 from cupaged.cache_ops import check_flash_write
 
@@ -63,89 +63,97 @@ def _check_rotary_dim(rotary_dim: int) -> None:
         raise NotImplementedError(f"rotary_dim={rotary_dim}: at most {limit} rotary dimensions")
 
 
-def inv_freq(rotary_dim: int, rope_theta: float, scaling: dict | None) -> np.ndarray:
-    """float64 ``[rotary_dim / 2]``: rope_theta^(-2i / rotary_dim), with Llama 3's frequency scaling when
-    ``scaling`` (Hugging Face's ``rope_scaling``: rope_type "llama3", factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings) says so."""
-    freqs = 1.0 / rope_theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
-    if scaling is None:
-        return freqs
-    factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-    old = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / freqs
-    smooth = (old / wavelen - low) / (high - low)
-    return np.where(wavelen < old / high, freqs,
-                    np.where(wavelen > old / low, freqs / factor, (1 - smooth) * freqs / factor + smooth * freqs))
-
-
-def _check_scaling(scaling) -> dict | None:
-    if scaling is None:
-        return None
-    if not isinstance(scaling, dict):
-        raise TypeError(f"scaling must be None or Hugging Face's rope_scaling dict, got {type(scaling).__name__}")
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise NotImplementedError(f"scaling rope_type={kind!r}: only 'llama3' frequency scaling is implemented")
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-               if k not in scaling]
-    if missing:
-        raise ValueError(f"scaling (rope_type 'llama3') lacks {', '.join(missing)}")
-    # Hugging Face's rules (_validate_llama3_parameters): the band between the two wavelength bounds is blended
-    # over high - low, so high must exceed low; a factor under 1 would raise the low frequencies
-    factor = check_float("scaling['factor']", scaling["factor"])
-    if factor < 1:
-        raise ValueError(f"scaling['factor'] must be >= 1, got {factor}")
-    low, high = (check_float(f"scaling[{k!r}]", scaling[k], positive=True) for k in ("low_freq_factor",
-                                                                                      "high_freq_factor"))
-    if high <= low:
-        raise ValueError(f"scaling['high_freq_factor'] must be greater than scaling['low_freq_factor'], got {high} "
-                         f"and {low}")
-    check_int("scaling['original_max_position_embeddings']", scaling["original_max_position_embeddings"], 1)
-    return dict(scaling)
-
-
 class RotaryEmbedding:
     """RoPE over the first ``rotary_dim`` dimensions (default: all) of heads of ``head_dim``: GPT-NeoX style
-    (pairs i, i + rotary_dim / 2) or GPT-J style (pairs 2i, 2i + 1), base ``rope_theta``, optional Llama 3
-    frequency ``scaling`` (Hugging Face's ``rope_scaling`` dict)."""
+    (pairs i, i + rotary_dim / 2) or GPT-J style (pairs 2i, 2i + 1), base ``rope_theta`` (default: ``scaling``'s
+    "rope_theta", else 10000), and Hugging Face's frequency ``scaling`` (a ``rope_scaling`` / ``rope_parameters``
+    dict; rope_type "default", "linear", "dynamic", "yarn", "longrope" or "llama3", with transformers' meaning, see
+    cupaged/_rope_scaling.py). ``max_position_embeddings``: the model's context length M, which "dynamic", "yarn"
+    and "longrope" read as transformers does (the original length O when the dict has no
+    original_max_position_embeddings; factor = M / O for "yarn" and "longrope" when it has one). A
+    "partial_rotary_factor" in the dict sets rotary_dim = int(head_dim * it) when rotary_dim is None, and must agree
+    with it otherwise.
 
-    def __init__(self, head_dim, *, rope_theta=10000.0, is_neox_style=True, rotary_dim=None, scaling=None):
+    ``attention_factor``: the factor "yarn" and "longrope" multiply cos and sin by (transformers'
+    attention_scaling; 1 for the others). ``per_length``: True for "dynamic" and "longrope", whose frequencies depend
+    on a sequence's current length L (last position + 1): past O, dynamic NTK raises the base and longrope takes its
+    long factors. ``inv_freq``: the frequencies for L <= O (or L unknown)."""
+
+    def __init__(self, head_dim, *, rope_theta=None, is_neox_style=True, rotary_dim=None, scaling=None,
+                 max_position_embeddings=None):
         self.head_dim = check_int("head_dim", head_dim, 2)
-        self.rotary_dim = head_dim if rotary_dim is None else check_int("rotary_dim", rotary_dim, 2, head_dim)
-        if self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
+        self._rope = resolve(self.head_dim, rotary_dim, rope_theta, scaling, max_position_embeddings)
+        self.rotary_dim, self.rope_theta = self._rope.rotary_dim, self._rope.rope_theta
         _check_rotary_dim(self.rotary_dim)
-        self.rope_theta = check_float("rope_theta", rope_theta, positive=True)
         self.is_neox_style = check_bool("is_neox_style", is_neox_style)
-        self.scaling = _check_scaling(scaling)
-        self.inv_freq = inv_freq(self.rotary_dim, self.rope_theta, self.scaling)  # float64 [rotary_dim / 2]
-        self._device_freq: dict = {}  # device_key(xp) -> inv_freq where that backend's kernels read it
+        self.scaling = None if self._rope.rope_type == "default" else dict(scaling)
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_factor = self._rope.attention_factor
+        self.per_length = self._rope.per_length
+        self.inv_freq = self._rope.frequencies()  # float64 [rotary_dim / 2]
+        self._device_freq: dict = {}  # (device_key(xp), length key) -> frequencies where that backend's kernels read
 
-    def cos_sin_cache(self, max_position) -> np.ndarray:
-        """float32 ``[max_position, rotary_dim]``: the cosines of the rotary_dim / 2 frequencies at each position,
-        then their sines (vLLM's layout; computed in float64, rounded once)."""
+    def frequencies(self, seq_len=None) -> np.ndarray:
+        """float64 ``[rotary_dim / 2]``: the frequencies for a sequence whose current length (last position + 1)
+        is ``seq_len`` (None: the original ones, ``inv_freq``)."""
+        if seq_len is not None:
+            seq_len = check_int("seq_len", seq_len, 1)
+        return self._rope.frequencies(self._rope.length_key(seq_len))
+
+    def cos_sin_cache(self, max_position, *, seq_len=None) -> np.ndarray:
+        """float32 ``[max_position, rotary_dim]``: the cosines of the rotary_dim / 2 frequencies (for a sequence of
+        current length ``seq_len``, see :meth:`frequencies`) at each position, then their sines (vLLM's layout),
+        times ``attention_factor``; computed in float64, rounded once."""
         n = check_int("max_position", max_position, 1)
-        angles = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]
-        return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+        return _table(np.arange(n), self.frequencies(seq_len), self.attention_factor)
+
+    def cos_sin_rows(self, positions, seq_lens) -> np.ndarray:
+        """float32 ``[num_tokens, rotary_dim]``: row t is :meth:`cos_sin_cache`'s row ``positions[t]`` for a
+        sequence of current length ``seq_lens[t]`` (host numpy int arrays ``[num_tokens]``). For the per-length
+        scalings, a table for ``rope_and_cache`` at positions ``arange(num_tokens)`` that gives each sequence its own
+        frequencies."""
+        positions, seq_lens = _host_ints("positions", positions), _host_ints("seq_lens", seq_lens)
+        if seq_lens.shape != positions.shape:
+            raise ValueError(f"seq_lens must have positions' {positions.shape[0]} entries, got {seq_lens.shape[0]}")
+        for name, a, low in (("positions", positions, 0), ("seq_lens", seq_lens, 1)):
+            bad = np.flatnonzero(a < low)
+            if bad.size:
+                raise ValueError(f"{name}[{bad[0]}] = {a[bad[0]]} must be >= {low}")
+        if not self.per_length:
+            return _table(positions, self.inv_freq, self.attention_factor)
+        out = np.empty((positions.shape[0], self.rotary_dim), np.float32)
+        lengths, which = np.unique(seq_lens, return_inverse=True)
+        groups: dict = {}  # length key -> indices into lengths
+        for j, length in enumerate(lengths.tolist()):
+            groups.setdefault(self._rope.length_key(length), []).append(j)
+        for key, js in groups.items():
+            rows = np.flatnonzero(np.isin(which, js))
+            out[rows] = _table(positions[rows], self._rope.frequencies(key), self.attention_factor)
+        return out
 
     @accepts_foreign_arrays
     def __call__(self, positions, q, k):
         """Rotate ``q`` ``[num_tokens, num_heads, head_dim]`` and ``k`` ``[num_tokens, num_kv_heads, head_dim]``
         in place at ``positions`` (int64 or int32 ``[num_tokens]``); returns ``(q, k)``. cos and sin are computed
-        in the kernel from the float64 frequencies (no cache: any position)."""
+        in the kernel from the float64 frequencies, times ``attention_factor`` (no cache: any position). The
+        per-length scalings ("dynamic", "longrope") take the frequencies of one sequence of length
+        max(positions) + 1, as transformers does: that maximum is read on the host (from a cupy array, a device
+        read that synchronizes and cannot be captured in a CUDA graph); for a batch of several sequences use
+        :meth:`cos_sin_rows` with :func:`rope_and_cache`."""
         xp = op_array_module(positions=positions, q=q, k=k)
         _check_qk(q, k, positions, self.head_dim, self.rotary_dim)
         check_no_overlap((("q", q), ("k", k)))
         if q.shape[0] == 0:
             return q, k
-        key = device_key(xp)
+        length = self._rope.length_key(int(host_copy(positions).max()) + 1) if self.per_length else None
+        key = (device_key(xp), length)
         freq = self._device_freq.get(key)
         if freq is None:
-            freq = self._device_freq[key] = to_device(xp, self.inv_freq, "RotaryEmbedding's frequencies (call it "
-                                                      "once before capturing a CUDA graph)")
-        p = _params(q, k, None, self.rotary_dim, self.is_neox_style)
+            if isinstance(length, int):  # dynamic NTK: one table per length, keep the latest only
+                self._device_freq = {kk: v for kk, v in self._device_freq.items() if not isinstance(kk[1], int)}
+            freq = self._device_freq[key] = to_device(xp, self._rope.frequencies(length), "RotaryEmbedding's "
+                                                      "frequencies (call it once before capturing a CUDA graph)")
+        p = _params(q, k, None, self.rotary_dim, self.is_neox_style, attention_factor=self.attention_factor)
         vec = _vec((q, k), (*element_strides("q", q)[:2], *element_strides("k", k)[:2]), q.itemsize,
                    self.rotary_dim // 2)
         kernel = FAMILY.function(_rope(CTYPE[q.dtype], CTYPE[positions.dtype], vec), xp)
@@ -153,6 +161,22 @@ class RotaryEmbedding:
                        f"rot={self.rotary_dim}", lambda: _rope_cost(q, k, positions)):
             kernel((q.shape[0],), (_threads(),), (positions, q, k, None, freq, struct_arg(p, xp)))
         return q, k
+
+
+def _table(positions, freqs, attention_factor) -> np.ndarray:
+    """float32 [len(positions), rotary_dim]: cos then sin of position x frequency in float64, times the attention
+    factor, rounded once."""
+    angles = positions.astype(np.float64)[:, None] * freqs[None, :]
+    return (np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * attention_factor).astype(np.float32)
+
+
+def _host_ints(name, a) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a host numpy array, got {type(a).__name__}")
+    check_ndim(name, a, 1, "[num_tokens]")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got {a.dtype}")
+    return a.astype(np.int64, copy=False)
 
 
 def _check_qk(q, k, positions, head_size, rotary_dim=None):
@@ -176,11 +200,12 @@ def _check_qk(q, k, positions, head_size, rotary_dim=None):
         raise ValueError(f"positions must be contiguous, got stride {positions.strides[0]} bytes")
 
 
-def _params(q, k, v, rotary_dim, neox, cache_strides=(0, 0, 0), scales=(1.0, 1.0, 0), block_size=1):
+def _params(q, k, v, rotary_dim, neox, cache_strides=(0, 0, 0), scales=(1.0, 1.0, 0), block_size=1,
+            attention_factor=1.0):
     qs, ks = element_strides("q", q), element_strides("k", k)
     vs = element_strides("v", v) if v is not None else (0, 0)
-    values = (*qs[:2], *ks[:2], *vs[:2], *cache_strides, *scales, q.shape[1], k.shape[1], q.shape[2], rotary_dim,
-              int(neox), block_size)
+    values = (*qs[:2], *ks[:2], *vs[:2], *cache_strides, attention_factor, *scales, q.shape[1], k.shape[1],
+              q.shape[2], rotary_dim, int(neox), block_size)
     return np.array(tuple(values), _params_dtype())
 
 

@@ -27,6 +27,7 @@ from cupaged.testing import compare, paged_kv, tolerance
 from cupaged.varlen_attention import varlen_attention
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
+from cupaged.convert_fp8 import convert_fp8
 
 __all__ = ["CASES", "run"]
 
@@ -69,6 +70,17 @@ def _flash(dtype, layout, kv_cache_dtype="auto"):
         rk, rv = reference.reshape_and_cache_flash(key, value, cache, cache, slots, kv_cache_dtype, 0.05, 0.07,
                                                    layout=layout)
         return _worst((kc, rk, EXACT), (vc, rv, EXACT))  # a copy / quantization must be exact
+    return case
+
+
+def _convert_fp8(dtype, kv_dtype):
+    def case(asarray, rng):
+        x = (40 * rng.standard_normal(97)).astype(dtype)  # past +-448 * 0.05: saturates
+        codes, back = asarray(np.zeros(97, np.uint8)), asarray(np.zeros(97, dtype))
+        convert_fp8(codes, asarray(x), 0.05, kv_dtype)
+        convert_fp8(back, codes, 0.05, kv_dtype)
+        ref = reference.convert_fp8(np.zeros(97, np.uint8), x, 0.05, kv_dtype)
+        return _worst((codes, ref, EXACT), (back, reference.convert_fp8(x, ref, 0.05, kv_dtype), EXACT))
     return case
 
 
@@ -242,6 +254,8 @@ CASES = {
     **{f"concat_and_cache_mla + gather {np.dtype(dt).name} {kv}": _mla_write_and_gather(dt, kv)
        for dt in (np.float16, ml_dtypes.bfloat16) for kv in ("auto", "fp8")},
     "copy_blocks + cp_gather_cache float16": _copy_and_cp_gather,
+    **{f"convert_fp8 {np.dtype(dt).name} {kv}": _convert_fp8(dt, kv)
+       for dt, kv in ((np.float32, "fp8"), (ml_dtypes.bfloat16, "fp8_e5m2"))},
     **{f"rope_and_cache {np.dtype(dt).name} {kv} {'neox' if neox else 'gptj'}": _rope(dt, kv, neox)
        for dt, kv, neox in ((np.float32, "auto", True), (ml_dtypes.bfloat16, "auto", False), (np.float16, "fp8", True))},
     **{f"paged_attention {np.dtype(dt).name}": _attention(dt) for dt in _DTYPES},

@@ -2,10 +2,12 @@
 //
 // Maths: a token at position p rotates the first rotary_dim dimensions of every q and k head in pairs: pair i
 // (i < rotary_dim / 2) is dims (i, i + rotary_dim / 2) in GPT-NeoX style, (2i, 2i + 1) in GPT-J style, and
-//   (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),  cos, sin of p * inv_freq[i],
+//   (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),  cos, sin of p * inv_freq[i] times attention_factor,
 // computed in float32 and rounded to the data's type once. cos and sin come from a cos_sin_cache row (float32
-// [max_position, rotary_dim]: the rotary_dim / 2 cosines, then the sines, as vLLM lays it out) or, without one,
-// from inv_freq in float64 (sincos of p * inv_freq[i], rounded to float32: the cache's own values).
+// [max_position, rotary_dim]: the rotary_dim / 2 cosines, then the sines, as vLLM lays it out, the attention factor
+// already in) or, without one, from inv_freq in float64 (sincos of p * inv_freq[i], times attention_factor in
+// float64, rounded to float32: the cache's own values). attention_factor is YaRN's / LongRoPE's scaling of cos and
+// sin (Hugging Face's attention_scaling), 1 otherwise.
 //
 // Layouts (docs/conventions.md §4), strides in elements, last dimension contiguous:
 //   q              [num_tokens, num_heads, head_size]      any token / head stride (views of a fused QKV buffer)
@@ -30,7 +32,9 @@
 //      the position. H200 model (16k tokens): fp16 121.0 -> 111.2 us, fp8 113.2 -> 103.6 us (both latency-bound:
 //      the bytes requested over the bytes in flight).
 //
-// Used by:   cupaged/rope.py (RotaryEmbedding, rope_and_cache), cupaged/selftest.py; reference: cupaged/reference/rope.py
+// Used by:   cupaged/rope.py (RotaryEmbedding, rope_and_cache), cupaged/selftest.py
+// Reference: cupaged/reference/rope.py
+// Frequencies: cupaged/_rope_scaling.py (Hugging Face's rope scalings, and their attention factors)
 // Test:      pytest tests/test_rope.py (sim; cuda too when a GPU is present); as every family,
 //            test_compile_gate.py and sim/test_params.py
 // Benchmark: python profiling/bench_rope.py
@@ -44,20 +48,22 @@ constexpr int ROPE_MAX_DIM = 512;  // the largest rotary_dim (a token's cos / si
 struct RopeParams {
   long long q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride;
   long long block_stride, page_stride, head_stride;  // the caches' (rope_and_cache_kernel)
+  double attention_factor;  // cos and sin computed from inv_freq are multiplied by it (rope_kernel)
   float k_scale_value, v_scale_value;
   int scale_per_head, num_heads, num_kv_heads, head_size, rotary_dim, neox, block_size;
 };
 
-// cos and sin of pair i at position pos: the cache's row, or sincos in float64 of pos * inv_freq[i].
+// cos and sin of pair i at position pos: the cache's row, or sincos in float64 of pos * inv_freq[i] times the
+// attention factor (in float64, so that the one rounding matches RotaryEmbedding.cos_sin_cache's).
 __device__ __forceinline__ float2 rope_cos_sin(const float* cos_sin_cache, const double* inv_freq, long long pos,
-                                               int i, int rotary_dim) {
+                                               int i, const RopeParams& p) {
   if (cos_sin_cache) {
-    const float* row = cos_sin_cache + pos * rotary_dim;
-    return make_float2(row[i], row[rotary_dim / 2 + i]);
+    const float* row = cos_sin_cache + pos * p.rotary_dim;
+    return make_float2(row[i], row[p.rotary_dim / 2 + i]);
   }
   double s, c;
   sincos(double(pos) * inv_freq[i], &s, &c);
-  return make_float2(float(c), float(s));
+  return make_float2(float(c * p.attention_factor), float(s * p.attention_factor));
 }
 
 // Rotate N pairs of one head x in place, pairs i0 .. i0 + N - 1 (N = 16 / sizeof(T) with VEC: each run of N
@@ -110,7 +116,7 @@ __device__ __forceinline__ void rope_token(T* q, T* k, long long token, const Po
   if (threadIdx.x < half) {
     const long long pos = static_cast<long long>(positions[token]);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-      const float2 v = rope_cos_sin(cos_sin_cache, inv_freq, pos, i, p.rotary_dim);
+      const float2 v = rope_cos_sin(cos_sin_cache, inv_freq, pos, i, p);
       cs[i] = v.x;
       cs[half + i] = v.y;
     }

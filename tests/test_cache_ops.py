@@ -1,5 +1,5 @@
-"""Cache writes (reshape_and_cache_flash, reshape_and_cache, concat_and_cache_mla) against
-cupaged.reference, on the sim (and cuda when a GPU is present).
+"""Cache writes (reshape_and_cache_flash, reshape_and_cache, concat_and_cache_mla) and the whole-array
+fp8 conversion (convert_fp8) against cupaged.reference, on the sim (and cuda when a GPU is present).
 
 Caches start poisoned (0xFF bytes: NaN in every float format and in fp8) and results are compared
 bytewise with the reference, which copies the original cache: every untouched slot must come back
@@ -14,6 +14,7 @@ product of the grid axes and the 64-bit offset cases (a cache past 2^31 elements
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import sys
 import types
@@ -26,6 +27,8 @@ import cupaged
 from cupaged import _cache_args, cache_ops, reference
 from cupaged.testing import poisoned
 from tests.conftest import Backend
+
+convert_fp8_module = importlib.import_module("cupaged.convert_fp8")  # (the package exports the function)
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 FP8 = ["fp8", "fp8_e5m2"]
@@ -590,3 +593,214 @@ def test_layouts_give_numpys_exact_overlap():
              (qkv[:, :8], qkv[:, 7:9]), (kv, qkv), (kv[:0], kv)]
     for a, b in pairs:
         assert np.shares_memory(_cache_args.layout(a), _cache_args.layout(b)) == np.shares_memory(a, b)
+
+
+# ---------------------------------------------------------------- convert_fp8 (whole arrays, vLLM's test helper)
+def convert_data(rng, shape, dtype, scale):
+    """Values whose x / scale spans every fp8 range (log-uniform 2^-20 .. 2^18, both signs: codes that round
+    to 0, subnormal codes, normal ones, values past ±448 and ±57344), the specials first: NaN of both signs,
+    ±inf, ±0, just past e4m3's 464 rounding threshold."""
+    n = int(np.prod(shape))
+    x = np.exp2(rng.uniform(-20, 18, n)) * rng.choice([-1.0, 1.0], n) * scale
+    specials = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 465.0 * scale, -1e5 * scale])
+    x[:min(n, specials.size)] = specials[:n]
+    with np.errstate(over="ignore"):  # past float16's 65504: inf, as intended
+        return x.astype(dtype).reshape(shape)
+
+
+def assert_same_values(got, ref, name):
+    """Bit-identical floats but for NaN payloads: any NaN matches any NaN."""
+    got, ref = np.array(got, copy=True).reshape(-1), np.array(ref, copy=True).reshape(-1)
+    nan = np.isnan(ref.astype(np.float32))
+    assert np.array_equal(np.isnan(got.astype(np.float32)), nan), f"{name}: NaNs at other places than the reference's"
+    got[nan], ref[nan] = 0, 0
+    assert_bytes_equal(got, ref, name)
+
+
+def convert_both_ways(backend, x, scale, kv_dtype):
+    """x quantized by convert_fp8 into poisoned codes and back into a poisoned array of x's dtype, each checked
+    against the reference exactly; returns (codes, back) as numpy."""
+    codes = backend.asarray(poisoned(x.shape, np.uint8))
+    cupaged.convert_fp8(codes, backend.asarray(x), scale, kv_dtype)
+    want = reference.convert_fp8(codes, x, scale, kv_dtype)
+    assert_bytes_equal(backend.to_numpy(codes), want, "codes")
+    back = backend.asarray(poisoned(x.shape, x.dtype))
+    cupaged.convert_fp8(back, codes, scale, kv_dtype)
+    assert_same_values(backend.to_numpy(back), reference.convert_fp8(back, want, scale, kv_dtype), "dequantized")
+    return backend.to_numpy(codes), backend.to_numpy(back)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.05, "array 3.7"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_convert_fp8_round_trip(backend, launched, kv_dtype, dtype, scale):
+    """[5, 97] values (16-byte steps and a tail) to codes and back: bit-exact against the reference both ways,
+    and the round trip itself within half an fp8 ulp, saturated to ±max · scale, NaN kept."""
+    value = 3.7 if scale == "array 3.7" else scale
+    arg = np.array([value], np.float32) if scale == "array 3.7" else value
+    x = convert_data(np.random.default_rng(11), (5, 97), dtype, value)
+    codes, back = convert_both_ways(backend, x, arg, kv_dtype)
+    kv = _cache_args.KV_CODE[kv_dtype]
+    ctype = cache_ops.CTYPE[np.dtype(dtype)]
+    assert launched[-2:] == [[ctype, kv, "true"], [ctype, kv, "false"]]
+    limit = np.float32(ml_dtypes.finfo(reference.FP8[kv_dtype]).max)
+    q = x.astype(np.float32) / np.float32(value)
+    nan, saturated = np.isnan(q), np.abs(q) > limit
+    assert np.array_equal(np.isnan(back.astype(np.float32)), nan)
+    with np.errstate(over="ignore"):  # e5m2's 57344 · 3.7 is inf as a float16
+        assert np.array_equal(back[saturated], (np.sign(q[saturated]) * limit * np.float32(value)).astype(dtype))
+    fine = ~nan & ~saturated
+    check_dequantized(codes[fine], np.float32(value), kv_dtype, x[fine].astype(np.float32), "round trip")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_convert_fp8_dequantizes_every_code(backend, kv_dtype, dtype):
+    """All 256 codes, three scales, exactly as the reference; a few codes against their known values."""
+    codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    known = {"fp8": {0x7E: 448.0, 0xFE: -448.0, 0x01: 2.0**-9, 0x38: 1.0, 0x80: -0.0},
+             "fp8_e5m2": {0x7B: 57344.0, 0xFB: -57344.0, 0x7C: np.inf, 0xFC: -np.inf, 0x01: 2.0**-16, 0x3C: 1.0}}
+    for scale in (1.0, 0.37, 1e-3):
+        out = backend.asarray(poisoned(codes.shape, dtype))
+        cupaged.convert_fp8(out, *on_backend(backend, codes), scale, kv_dtype)
+        got = backend.to_numpy(out).reshape(-1)
+        assert_same_values(got, reference.convert_fp8(got, codes.reshape(-1), scale, kv_dtype), f"scale {scale}")
+        if scale == 1.0:
+            assert np.isnan(np.float32(got[0x7F])) and np.isnan(np.float32(got[0xFF]))
+            for code, value in known[kv_dtype].items():
+                assert np.float32(got[code]) == value and np.signbit(np.float32(got[code])) == np.signbit(value), \
+                    f"code {code:#04x}: {got[code]} != {value}"
+
+
+@pytest.mark.parametrize("kv_dtype, values, codes", [
+    ("fp8", [1000, -1000, np.inf, -np.inf, np.nan, -np.nan, 0.5, -0.0, 464, -1e-4],
+     [0x7E, 0xFE, 0x7E, 0xFE, 0x7F, 0x7F, 0x30, 0x80, 0x7E, 0x80]),
+    ("fp8_e4m3", [448, 2.0**-9, 3 * 2.0**-10, 2.0**-10, 240, 232],
+     [0x7E, 0x01, 0x02, 0x00, 0x77, 0x76]),
+    ("fp8_e5m2", [1e5, -1e5, np.inf, -np.inf, np.nan, -np.nan, 0.5, -0.0, 61440, 2.0**-16],
+     [0x7B, 0xFB, 0x7B, 0xFB, 0x7F, 0x7F, 0x38, 0x80, 0x7B, 0x01]),
+], ids=["e4m3 saturation and NaN", "e4m3 subnormals and ties to even", "e5m2 saturation and NaN"])
+def test_convert_fp8_codes_as_cuda_satfinite_makes_them(backend, kv_dtype, values, codes):
+    """Hand-written codes (not the reference's): saturation to the largest finite code, NaN of either sign to
+    0x7F as __NV_SATFINITE does, -0 kept, underflow to ±0, ties to even (2^-10 -> 0; 232 between 224 and 240)."""
+    x = np.array(values, np.float32)
+    out = backend.asarray(poisoned(x.shape, np.uint8))
+    cupaged.convert_fp8(out, *on_backend(backend, x), 1.0, kv_dtype)
+    assert backend.to_numpy(out).tolist() == codes
+
+
+SHAPES = [(), (1,), (97,), (15,), (16,), (2, 3, 17), (4, 16, 2, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)) or "scalar")
+def test_convert_fp8_any_shape(backend, shape):
+    """0-d, 1 element, fewer and exactly one 16-byte step, odd sizes, a [num_blocks, block_size, heads, head]
+    cache; the dtype and format rotate with the shape."""
+    i = SHAPES.index(shape)
+    x = convert_data(np.random.default_rng(i), shape, DTYPES[i % 3], 0.5)
+    convert_both_ways(backend, x, 0.5, FP8[i % 2])
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0, 5)], ids=["0", "3x0x5"])
+def test_convert_fp8_empty_arrays_launch_nothing(backend, launched, shape):
+    codes, x = backend.asarray(np.zeros(shape, np.uint8)), backend.asarray(np.zeros(shape, np.float16))
+    cupaged.convert_fp8(codes, x, 2.0)
+    cupaged.convert_fp8(x, codes, 2.0, "fp8_e5m2")
+    assert launched == []
+    with pytest.raises(ValueError, match="scale"):  # still checked
+        cupaged.convert_fp8(codes, x, 0.0)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["vec", "scalar"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_convert_fp8_grid_stride_and_unaligned_views(backend, monkeypatch, dtype, aligned):
+    """One CTA (the grid cap lowered to 1) loops over 4001 elements; views one element into their buffers
+    (C-contiguous but not 16-byte aligned) take the element-by-element path, with the same results."""
+    monkeypatch.setattr(convert_fp8_module, "MAX_BLOCKS", 1)
+    n, skew = 4001, 0 if aligned else 1
+    x = convert_data(np.random.default_rng(3), (n + skew,), dtype, 1.0)
+    src = backend.asarray(x)[skew:]
+    codes_buf = backend.asarray(poisoned((n + skew,), np.uint8))
+    cupaged.convert_fp8(codes_buf[skew:], src, 1.0, "fp8")
+    want = reference.convert_fp8(np.uint8(0), x[skew:], 1.0, "fp8")
+    got = backend.to_numpy(codes_buf)
+    assert_bytes_equal(got[skew:], want, "codes")
+    assert got[:skew].tolist() == [0xFF] * skew, "the byte before the view was written"
+    back_buf = backend.asarray(poisoned((n + skew,), dtype))
+    cupaged.convert_fp8(back_buf[skew:], codes_buf[skew:], 1.0, "fp8")
+    assert_same_values(backend.to_numpy(back_buf)[skew:], reference.convert_fp8(x, want, 1.0, "fp8"), "dequantized")
+    assert convert_fp8_module.vectorized(codes_buf[skew:], src) == aligned
+    assert convert_fp8_module.vectorized(back_buf[skew:], codes_buf[skew:]) == aligned
+
+
+def test_convert_fp8_as_vllms_tests_use_it(backend):
+    """vLLM's test_fp8_e4m3_conversion: a float16 cache to fp8 and back, close to itself."""
+    rng = np.random.default_rng(12)
+    cache = backend.asarray(rng.uniform(-224, 224, (8, 16, 4, 64)).astype(np.float16))
+    cache_fp8 = backend.xp.empty_like(cache, dtype=np.uint8)
+    cupaged.convert_fp8(cache_fp8, cache, 1.0, kv_dtype="fp8")
+    converted = backend.xp.empty_like(cache)
+    cupaged.convert_fp8(converted, cache_fp8, 1.0, kv_dtype="fp8")
+    got, want = backend.to_numpy(converted).astype(np.float32), backend.to_numpy(cache).astype(np.float32)
+    assert np.all(np.abs(got - want) <= 1e-3 + 0.0625 * np.abs(want))
+
+
+def _convert_args(backend):
+    x = np.random.default_rng(4).standard_normal((4, 8, 16)).astype(np.float16)
+    return dict(dst=backend.asarray(poisoned(x.shape, np.uint8)), src=backend.asarray(x), scale=0.5, kv_dtype="fp8")
+
+
+def _read_only(a):
+    view = a[...]
+    view.flags.writeable = False
+    return view
+
+
+CONVERT_BAD_INPUTS = {  # change(args, backend), exception, the argument the message names
+    "kv_dtype unknown": (lambda a, b: {"kv_dtype": "int8"}, ValueError, "kv_dtype"),
+    "kv_dtype auto": (lambda a, b: {"kv_dtype": "auto"}, ValueError, "kv_dtype='auto'"),
+    "kv_dtype not a string": (lambda a, b: {"kv_dtype": 3}, ValueError, "kv_dtype"),
+    "dst float for float src": (lambda a, b: {"dst": b.asarray(np.zeros((4, 8, 16), np.float16))}, TypeError, "dst"),
+    "src float64": (lambda a, b: {"src": b.asarray(np.zeros((4, 8, 16)))}, TypeError, "src"),
+    "src int8": (lambda a, b: {"src": b.asarray(np.zeros((4, 8, 16), np.int8))}, TypeError, "src"),
+    "both uint8": (lambda a, b: {"src": b.asarray(np.zeros((4, 8, 16), np.uint8))}, TypeError, "dst"),
+    "dst float64 for codes": (lambda a, b: {"src": b.asarray(np.zeros((4, 8, 16), np.uint8)),
+                                            "dst": b.asarray(np.zeros((4, 8, 16)))}, TypeError, "dst"),
+    "shape mismatch": (lambda a, b: {"src": a["src"][:3]}, ValueError, "dst must have src's shape"),
+    "same size, other shape": (lambda a, b: {"src": a["src"].reshape(8, 4, 16)}, ValueError, "dst"),
+    "src not contiguous": (lambda a, b: {"src": b.asarray(np.zeros((4, 8, 32), np.float16))[..., ::2]},
+                           ValueError, "src must be C-contiguous"),
+    "dst transposed": (lambda a, b: {"dst": b.asarray(np.zeros((16, 8, 4), np.uint8)).T}, ValueError,
+                       "dst must be C-contiguous"),
+    "dst shares src's memory": (lambda a, b: {"dst": a["src"].reshape(-1).view(np.uint8)[:512].reshape(4, 8, 16)},
+                                ValueError, "dst and src share memory"),
+    "dst None": (lambda a, b: {"dst": None}, TypeError, "dst"),
+    "src a list": (lambda a, b: {"src": [[1.0]]}, TypeError, "src"),
+    "scale zero": (lambda a, b: {"scale": 0.0}, ValueError, "scale"),
+    "scale negative": (lambda a, b: {"scale": -1.0}, ValueError, "scale"),
+    "scale nan": (lambda a, b: {"scale": float("nan")}, ValueError, "scale"),
+    "scale inf": (lambda a, b: {"scale": float("inf")}, ValueError, "scale"),
+    "scale 0 as a float32": (lambda a, b: {"scale": 1e-50}, ValueError, "scale"),
+    "scale inf as a float32": (lambda a, b: {"scale": 1e39}, ValueError, "scale"),
+    "scale string": (lambda a, b: {"scale": "1"}, TypeError, "scale"),
+    "scale bool": (lambda a, b: {"scale": True}, TypeError, "scale"),
+    "scale float64 array": (lambda a, b: {"scale": np.ones(1)}, TypeError, "scale"),
+    "scale of 2 values": (lambda a, b: {"scale": np.ones(2, np.float32)}, ValueError, "scale"),
+    "scale 0 under validate": (lambda a, b: {"scale": np.zeros(1, np.float32), "validate": True}, ValueError,
+                               r"scale\[0\]"),
+    "dst read-only (numpy)": (lambda a, b: {"dst": _read_only(a["dst"])}, ValueError, "dst is read-only"),
+}
+
+
+@pytest.mark.parametrize("case", CONVERT_BAD_INPUTS)
+def test_convert_fp8_bad_input_raises_before_any_launch(backend, launched, case):
+    change, exc, match = CONVERT_BAD_INPUTS[case]
+    if case.endswith("(numpy)") and backend.name != "sim":
+        pytest.skip("read-only arrays are numpy's")
+    a = _convert_args(backend)
+    before = {k: backend.to_numpy(a[k]).copy() for k in ("dst", "src")}
+    with pytest.raises(exc, match=match):
+        cupaged.convert_fp8(**{**a, **change(a, backend)})
+    assert launched == []
+    for k, b in before.items():
+        assert_bytes_equal(backend.to_numpy(a[k]), b, f"{k} after a rejected call")

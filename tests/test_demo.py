@@ -97,6 +97,17 @@ def test_main_prints_the_table_and_verifies(capsys):
         assert label in out
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "gpt-oss"])
+def test_each_family_serves_and_verifies(family, capsys):
+    """--family picks the layers' options (biases; windows, softcap and scale; sinks, windows and YaRN); the float64
+    forward reads the same options from the config, and prompts of up to 49 tokens outrun the local layers' window."""
+    assert cli.main([*SMALL, "--backend", "sim", "--requests", "3", "--family", family, "--verify"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    config = cli.build(cli.parser().parse_args([*SMALL, "--backend", "sim", "--family", family]))[2]
+    options = [config.attention_options(i) for i in range(config.n_layers)]
+    assert options[0] != options[1] if family != "qwen2" else options[0] == {"bias": True}
+
+
 def test_drop_cached_removes_the_prefix_hits_and_keeps_the_context():
     pool = BlockPool(16, 4, enable_prefix_caching=True)
     first = np.arange(11)

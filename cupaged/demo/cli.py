@@ -17,7 +17,7 @@ from tqdm import tqdm
 from cupaged._attention_args import MAX_HEAD_SIZE
 from cupaged._backend import GpuUnavailableError, gpu_module, on_sim, require_gpu
 from cupaged.demo.engine import Engine, Request, blocks_needed
-from cupaged.demo.model import DecoderConfig, TinyDecoder, random_weights
+from cupaged.demo.model import FAMILIES, DecoderConfig, TinyDecoder, random_weights
 from cupaged.kv_cache import KVCache
 from cupaged.reference.layers import decoder_logits
 
@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     a("--backend", choices=("auto", "sim", "cuda"), default="auto", help="auto: cuda when a GPU is present, else sim")
     a("--seed", type=_count(0, None), default=0, help="seed of the weights and the requests")
     a("--dtype", choices=tuple(DTYPES), default="float32", help="weights, activations and KV cache")
+    a("--family", choices=FAMILIES, default="llama", help="the attention of a model family (cupaged/demo/model.py)")
     g = p.add_argument_group("sizes (the defaults take ~12 s on the sim with a warm compile cache)")
     for flag, default, minimum, text in SIZES:
         kind = _count(2, MAX_HEAD_SIZE, even=True) if flag == "head-dim" else _count(minimum)
@@ -182,7 +183,8 @@ def build(args):
     """(engine with every request added, float32 weights, config) for parsed ``args``."""
     xp = _xp(args.backend)
     config = DecoderConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                           n_kv_heads=args.kv_heads, head_dim=args.head_dim, hidden_dim=args.hidden)
+                           n_kv_heads=args.kv_heads, head_dim=args.head_dim, hidden_dim=args.hidden,
+                           family=args.family)
     weights = random_weights(config, args.seed)
     dtype = DTYPES[args.dtype]
     model = TinyDecoder(config, weights, xp, dtype)

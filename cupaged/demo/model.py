@@ -1,6 +1,11 @@
 """The demo's tiny decoder: token embeddings, ``n_layers`` x (RMSNorm -> :class:`cupaged.layers.Attention` ->
 RMSNorm -> SwiGLU MLP) with residuals, a final RMSNorm and the output head. Random weights from a seed (no
-downloads); the float64 twin of its forward is cupaged.reference.layers.decoder_logits."""
+downloads); the float64 twin of its forward is cupaged.reference.layers.decoder_logits.
+
+``family`` picks the attention of a model family (``FAMILIES``): "llama" (QK RMSNorm, as Qwen3 / OLMo have it),
+"qwen2" (q / k / v biases), "gemma2" (local layers with a sliding window alternating with global ones, logit
+softcap 50, the scale of query_pre_attn_scalar = dim / n_heads), "gpt-oss" (q / k / v / o biases, attention sinks,
+alternating windows, YaRN RoPE)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ from cupaged.layer_ops import linear, rms_norm
 from cupaged.layers import Attention
 from cupaged.rope import RotaryEmbedding
 
-__all__ = ["DecoderConfig", "TinyDecoder", "random_weights"]
+__all__ = ["FAMILIES", "DecoderConfig", "TinyDecoder", "random_weights"]
+
+FAMILIES = ("llama", "qwen2", "gemma2", "gpt-oss")
+WINDOW = 32  # the local layers' sliding window (tokens): shorter than the demo's prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +34,22 @@ class DecoderConfig:
     hidden_dim: int = 512
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    family: str = "llama"
 
     def rope(self) -> RotaryEmbedding:
+        if self.family == "gpt-oss":  # YaRN over a short original context, so it shows at the demo's lengths
+            yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                    "beta_slow": 1.0, "truncate": False}
+            return RotaryEmbedding(self.head_dim, rope_theta=150000.0, scaling=yarn, max_position_embeddings=256)
         return RotaryEmbedding(self.head_dim, rope_theta=self.rope_theta)
+
+    def attention_options(self, layer: int) -> dict:
+        """Layer ``layer``'s :class:`cupaged.layers.Attention` options for the family (even layers are local)."""
+        window = WINDOW if layer % 2 == 0 else None
+        return {"llama": {"qk_norm": "rms_head"},
+                "qwen2": {"bias": True},
+                "gemma2": {"sliding_window": window, "softcap": 50.0, "scale": (self.dim / self.n_heads) ** -0.5},
+                "gpt-oss": {"bias": True, "sinks": True, "sliding_window": window}}[self.family]
 
 
 def random_weights(config: DecoderConfig, seed: int) -> dict:
@@ -43,15 +64,25 @@ def random_weights(config: DecoderConfig, seed: int) -> dict:
     def norm(n):
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    def vec(n):
+        return (0.5 * rng.standard_normal(n)).astype(np.float32)
+
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     w = {"embed": rng.standard_normal((c.vocab_size, c.dim)).astype(np.float32)}
     for i in range(c.n_layers):
-        p = f"layers.{i}."
-        w.update({p + "attn_norm": norm(c.dim), p + "attn.wq": mat(c.n_heads * c.head_dim, c.dim),
-                  p + "attn.wk": mat(c.n_kv_heads * c.head_dim, c.dim),
-                  p + "attn.wv": mat(c.n_kv_heads * c.head_dim, c.dim), p + "attn.wo": mat(c.dim, c.n_heads * c.head_dim),
-                  p + "attn.q_norm": norm(c.head_dim), p + "attn.k_norm": norm(c.head_dim),
+        p, o = f"layers.{i}.", c.attention_options(i)
+        w.update({p + "attn_norm": norm(c.dim), p + "attn.wq": mat(q, c.dim), p + "attn.wk": mat(kv, c.dim),
+                  p + "attn.wv": mat(kv, c.dim), p + "attn.wo": mat(c.dim, q),
                   p + "mlp_norm": norm(c.dim), p + "w1": mat(c.hidden_dim, c.dim), p + "w3": mat(c.hidden_dim, c.dim),
                   p + "w2": mat(c.dim, c.hidden_dim)})
+        if o.get("qk_norm"):
+            w.update({p + "attn.q_norm": norm(c.head_dim), p + "attn.k_norm": norm(c.head_dim)})
+        if o.get("bias"):  # gpt-oss has an output bias too; Qwen2 has none (the layer reads a missing bo as 0)
+            w.update({p + "attn.bq": vec(q), p + "attn.bk": vec(kv), p + "attn.bv": vec(kv)})
+            if o.get("sinks"):
+                w[p + "attn.bo"] = vec(c.dim)
+        if o.get("sinks"):
+            w[p + "attn.sinks"] = (rng.standard_normal(c.n_heads) + 1.0).astype(np.float32)
     w["norm"], w["output"] = norm(c.dim), mat(c.vocab_size, c.dim)
     return w
 
@@ -71,9 +102,10 @@ class TinyDecoder:
         self.layers = []
         for i in range(config.n_layers):
             attn = Attention(config.n_heads, config.n_kv_heads, config.dim, head_dim=config.head_dim, fuse_qkv=True,
-                             use_qk_normalization=True, norm_eps=config.norm_eps, rope=rope, dtype=self.dtype)
+                             norm_eps=config.norm_eps, rope=rope, dtype=self.dtype, **config.attention_options(i))
             prefix = f"layers.{i}.attn."
-            attn.load_state_dict({k[len(prefix):]: put(v) for k, v in weights.items() if k.startswith(prefix)})
+            attn.load_state_dict({k[len(prefix):]: xp.asarray(v) if k.endswith("sinks") else put(v)  # float32 logits
+                                  for k, v in weights.items() if k.startswith(prefix)})
             self.layers.append(attn)
 
     def forward(self, token_ids, plan, kv_cache):

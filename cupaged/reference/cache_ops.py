@@ -1,11 +1,12 @@
 """References of the cache writes (kernels_cu/cache_ops.cu, cupaged/cache_ops.py): every token of a
-non-negative slot written into a copy of the cache, quantized to fp8 codes where asked."""
+non-negative slot written into a copy of the cache, quantized to fp8 codes where asked; and of the
+family's whole-array fp8 conversion (cupaged/convert_fp8.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from cupaged.reference.fp8 import quantize_fp8
+from cupaged.reference.fp8 import dequantize_fp8, quantize_fp8
 
 
 def _store(x, scale, kv_cache_dtype, head_axis):
@@ -60,3 +61,17 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype="aut
     rows = np.concatenate([np.asarray(kv_c)[keep], np.asarray(k_pe)[keep]], axis=1)
     kv_cache[blocks, offsets] = _store(rows, scale, kv_cache_dtype, head_axis=0)
     return kv_cache
+
+
+def convert_fp8(dst, src, scale=1.0, kv_dtype="fp8"):
+    """A new array of dst's dtype and src's shape: float src quantized to uint8 codes (x / scale in
+    float32, clipped to the format's range, rounded to nearest even, NaN to 0x7F), uint8 src dequantized
+    (float32 code * scale, rounded to dst's dtype). The direction follows the dtypes, as the op's."""
+    src, dtype = np.asarray(src), np.asarray(dst).dtype
+    scale = np.asarray(scale, dtype=np.float32).reshape(())
+    if src.dtype == np.uint8:
+        with np.errstate(over="ignore"):  # e.g. 57344 · 2 past float16's range: inf, as the kernel rounds it
+            return dequantize_fp8(src, scale, kv_dtype).astype(dtype)
+    if dtype != np.uint8:
+        raise TypeError(f"quantizing {src.dtype} needs a uint8 dst, got {dtype}")
+    return quantize_fp8(src, scale, kv_dtype)
