@@ -6,6 +6,7 @@ data arrays. See README.md for the API tour.
 """
 
 from cupaged.attention import AttentionPlan, KvView, plan_attention, run_attention, workspace_bytes
+from cupaged.cascade import CascadeLevel, cascade_attention
 from cupaged.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache, swap_blocks
 from cupaged.cache_ops import concat_and_cache_mla, reshape_and_cache, reshape_and_cache_flash
 from cupaged.convert_fp8 import convert_fp8
@@ -29,8 +30,8 @@ del _public
 __all__ = [
     "reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla", "gather_and_maybe_dequant_cache",
     "convert_fp8", "cp_gather_cache", "copy_blocks", "swap_blocks", "paged_attention", "paged_attention_v1",
-    "paged_attention_v2", "varlen_attention", "mla_decode", "AttentionPlan", "KvView", "plan_attention",
-    "run_attention", "workspace_bytes",
+    "paged_attention_v2", "cascade_attention", "CascadeLevel", "varlen_attention", "mla_decode", "AttentionPlan",
+    "KvView", "plan_attention", "run_attention", "workspace_bytes",
     "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",
     "KVCacheTooLarge", "RotaryEmbedding", "rope_and_cache", "layers", "__version__",
 ]

@@ -9,7 +9,7 @@ import functools
 import numpy as np
 
 from cupaged._annotate import op_launch
-from cupaged._backend import device_key, host_copy, module_of, struct_arg, to_device
+from cupaged._backend import device_key, host_copy, is_host_array, module_of, struct_arg, to_device
 from cupaged._cache_args import (KV_CODE, KV_KINDS, SLOT_DTYPES, check_no_overlap, check_slot_mapping, kv_dtype_name,
                                  op_array_module)
 from cupaged._checks import (CTYPE, FLOAT_DTYPES, address, check_bool, check_dtype, check_int,
@@ -171,7 +171,7 @@ def _table(positions, freqs, attention_factor) -> np.ndarray:
 
 
 def _host_ints(name, a) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
+    if not is_host_array(a):
         raise TypeError(f"{name} must be a host numpy array, got {type(a).__name__}")
     check_ndim(name, a, 1, "[num_tokens]")
     if a.dtype.kind not in "iu":

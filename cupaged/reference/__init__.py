@@ -15,8 +15,8 @@ exactly: x / scale in float32, clipped to the format's finite range, rounded to 
 
 from __future__ import annotations
 
-from cupaged.reference.attention import (attention_rows, dense_kv, mla_decode, paged_attention, paged_attention_v1,
-                                         paged_attention_v2_partitions, varlen_attention)
+from cupaged.reference.attention import (attention_rows, cascade_attention, dense_kv, mla_decode, paged_attention,
+                                         paged_attention_v1, paged_attention_v2_partitions, varlen_attention)
 from cupaged.reference.cache_gather import copy_blocks, cp_gather_cache, gather_and_maybe_dequant_cache, swap_blocks
 from cupaged.reference.cache_ops import concat_and_cache_mla, convert_fp8, reshape_and_cache, reshape_and_cache_flash
 from cupaged.reference.fp8 import FP8, dequantize_fp8, quantize_fp8
@@ -25,5 +25,5 @@ from cupaged.reference import rope
 
 __all__ = ["FP8", "quantize_fp8", "dequantize_fp8", "reshape_and_cache_flash", "reshape_and_cache",
            "concat_and_cache_mla", "convert_fp8", "gather_and_maybe_dequant_cache", "cp_gather_cache", "copy_blocks",
-           "swap_blocks", "dense_kv", "attention_rows", "paged_attention", "paged_attention_v1",
+           "swap_blocks", "dense_kv", "attention_rows", "paged_attention", "cascade_attention", "paged_attention_v1",
            "paged_attention_v2_partitions", "merge_attn_states", "varlen_attention", "mla_decode", "rope"]

@@ -97,6 +97,36 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     return out, lse
 
 
+def cascade_attention(q, key_cache, value_cache, shared_levels, block_tables, seq_lens, query_start_loc=None, *,
+                      scale=None, causal=True, sinks=None, softcap=None, kv_cache_dtype="auto", k_scale=1.0,
+                      v_scale=1.0, layout="NHD"):
+    """(out, lse) float64 of cascade attention: each request's context gathered densely as its groups' shared keys,
+    level by level ((group_start_loc, block_tables, kv_lens) each), then its own seq_lens[s] keys; then
+    attention_rows over that whole context, the queries at its end (causal over the whole context)."""
+    q = np.asarray(q)
+    num_tokens, num_heads, head_size = q.shape
+    seq_lens = np.asarray(seq_lens).astype(np.int64)
+    qsl = np.arange(len(seq_lens) + 1) if query_start_loc is None else np.asarray(query_start_loc).astype(np.int64)
+    scale = 1.0 / np.sqrt(head_size) if scale is None else scale
+    gather = dict(layout=layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    out, lse = np.zeros((num_tokens, num_heads, head_size)), np.full((num_heads, num_tokens), -np.inf)
+    for s, own in enumerate(seq_lens):
+        parts = []
+        for starts, tables, lens in shared_levels:
+            g = int(np.searchsorted(np.asarray(starts), s, side="right")) - 1  # the group holding request s
+            parts.append(dense_kv(key_cache, value_cache, np.asarray(tables)[g], np.asarray(lens)[g], **gather))
+        parts.append(dense_kv(key_cache, value_cache, np.asarray(block_tables)[s], own, **gather))
+        k, v = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        t0, t1 = qsl[s], qsl[s + 1]
+        positions = k.shape[0] - (t1 - t0) + np.arange(t1 - t0)
+        group = num_heads // k.shape[1]
+        for h in range(num_heads):
+            o, l = attention_rows(q[t0:t1, h], k[:, h // group], v[:, h // group], positions, scale=scale,
+                                  causal=causal, sink=None if sinks is None else np.asarray(sinks)[h], softcap=softcap)
+            out[t0:t1, h], lse[h, t0:t1] = o, l
+    return out, lse
+
+
 def paged_attention_v1(query, key_cache, value_cache, num_kv_heads, scale, block_tables, seq_lens,
                        alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
     """vLLM's v1 semantics (decode, vLLM cache layout): the output as float64."""
