@@ -8,8 +8,8 @@ request's context is its groups' shared keys, level by level, then its own: requ
 sum(kv_lens of its groups) + seq_lens[s] keys, and its queries sit at the end of them.
 
 Per shared level, the queries of each group attend, as one query run, to the group's keys: every key there comes
-before every query, so the run is non-causal and its K/V are read once for all its requests (on tensor cores when
-the group has more than a few queries). The own level runs causal paged attention with the sinks; the states are
+before every query, so the run is non-causal and its K/V are read once for all its requests (by the prefill kernel
+past PD_MAX_Q = 16 queries, a decode kernel below). The own level runs causal paged attention with the sinks; the states are
 then merged by their LSE (:func:`cupaged.merge_attn_states`), so the result equals plain paged attention over each
 request's whole context. Sliding windows and ALiBi, whose masks depend on each query's distance into the shared
 keys, are not taken yet (``NotImplementedError``).
