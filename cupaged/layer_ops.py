@@ -15,7 +15,8 @@ from cupaged._checks import check_int
 from cupaged.kv_cache import KVCache
 
 __all__ = ["ContextCache", "linear", "rms_norm", "layer_norm", "qk_normalize", "rope_cache", "rope_rows",
-           "rope_positions", "check_positions", "cache_arrays", "device_plan", "validate_plan", "whole_sequences"]
+           "rope_positions", "check_positions", "cache_arrays", "cascade_blocks", "cascade_level", "device_plan",
+           "validate_plan", "whole_sequences"]
 
 _DEVICE_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host BatchPlan -> {xp: its upload}
 _ROPE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # RotaryEmbedding -> {xp: cos_sin}
@@ -127,6 +128,36 @@ def cache_arrays(attn, kv_cache, layer, plan, xp):
     if module_of(key) is not xp:
         raise TypeError("kv_cache lives on another backend than x (numpy arrays: the sim; cupy: the GPU)")
     return key, value
+
+
+# When the layer takes cascade attention by itself (cascade=None), as vLLM's use_cascade_attention decides: a
+# shared prefix long enough, and requests enough, that reading it once pays for a second launch and the merge.
+CASCADE_MIN_TOKENS = 256
+CASCADE_MIN_REQUESTS = 8
+
+
+def cascade_blocks(plan, block_size: int, cascade, options) -> int:
+    """How many of the plan's shared prefix blocks (BatchPlan.shared_prefix_blocks) the layer reads as a cascade
+    level: all of them when ``cascade`` is True, none when False, and under the rule above when None; none with a
+    sliding window or ALiBi (their masks depend on each query's distance into the prefix)."""
+    n = getattr(plan, "shared_prefix_blocks", 0)
+    if not n or cascade is False or options.sliding_window is not None or options.alibi_slopes is not None:
+        return 0
+    if cascade is None and (n * block_size < CASCADE_MIN_TOKENS or plan.num_seqs < CASCADE_MIN_REQUESTS):
+        return 0
+    return n
+
+
+def cascade_level(plan, n: int, block_size: int, xp):
+    """(the CascadeLevel of the batch's first ``n`` blocks, shared by every sequence; the sequences' own tables and
+    lengths past them)."""
+    from cupaged.cascade import CascadeLevel
+
+    what = "the layer's cascade level (cascade attention reads it every step: not while capturing)"
+    starts = to_device(xp, np.array([0, plan.num_seqs], np.int32), what)
+    lens = to_device(xp, np.array([n * block_size], np.int32), what)
+    level = CascadeLevel(starts, plan.block_tables[:1, :n], lens)
+    return level, plan.block_tables[:, n:], plan.seq_lens - np.int32(n * block_size)
 
 
 def device_plan(plan, xp):

@@ -24,8 +24,9 @@ from cupaged._layer_options import layer_options
 from cupaged._layer_weights import expected_shapes, load_weights
 from cupaged.attention import KvView, plan_attention, run_attention
 from cupaged.cache_ops import reshape_and_cache_flash
-from cupaged.layer_ops import ContextCache, cache_arrays, check_positions, device_plan, linear, qk_normalize, \
-    rope_cache, rope_positions, rope_rows, validate_plan, whole_sequences
+from cupaged.cascade import cascade_attention
+from cupaged.layer_ops import ContextCache, cache_arrays, cascade_blocks, cascade_level, check_positions, device_plan, \
+    linear, qk_normalize, rope_cache, rope_positions, rope_rows, validate_plan, whole_sequences
 from cupaged.rope import RotaryEmbedding, rope_and_cache
 from cupaged.varlen_attention import varlen_attention
 
@@ -51,11 +52,15 @@ class Attention:
     ``qk_norm`` (None, "rms_head" = ``use_qk_normalization``, "layer_head": LayerNorm over head_dim with
     weights ``[head_dim]`` or per head, "rms_all_heads": RMSNorm over all heads' features with weights of
     n_heads·head_dim / n_kv_heads·head_dim, "l2": x / sqrt(mean(x²) + norm_eps) over head_dim, no weight).
+    ``cascade`` ("self"): read the plan's shared prefix blocks (``BatchPlan.shared_prefix_blocks``) once with
+    :func:`cupaged.cascade_attention`: True whenever there are some, False never, None when they hold
+    >= CASCADE_MIN_TOKENS tokens shared by >= CASCADE_MIN_REQUESTS requests (cupaged/layer_ops.py).
     """
 
     def __init__(self, n_heads, n_kv_heads, dim, *, head_dim=None, context_dim=None, fuse_qkv=False,
                  use_qk_normalization=False, norm_eps=1e-5, attn_type="self", rope=None, dtype=np.float32,
-                 bias=False, scale=None, softcap=None, sliding_window=None, sinks=False, alibi=None, qk_norm=None):
+                 bias=False, scale=None, softcap=None, sliding_window=None, sinks=False, alibi=None, qk_norm=None,
+                 cascade=None):
         self.n_heads = check_int("n_heads", n_heads, 1)
         self.n_kv_heads = self.n_heads if n_kv_heads is None else check_int("n_kv_heads", n_kv_heads, 1)
         if self.n_heads % self.n_kv_heads:
@@ -83,6 +88,7 @@ class Attention:
         self.options = layer_options(self.n_heads, self.head_dim, attn_type, bias=bias, scale=scale, softcap=softcap,
                                      sliding_window=sliding_window, sinks=sinks, alibi=alibi, qk_norm=qk_norm,
                                      use_qk_normalization=self.use_qk_normalization)
+        self.cascade = None if cascade is None else check_bool("cascade", cascade)
         self.k_scale = self.v_scale = 1.0
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.weights: dict = {}
@@ -243,6 +249,13 @@ class Attention:
                 cos_sin = rope_cache(self.rope, rope_positions(plan, kv_cache.block_size), xp)
             rope_and_cache(q, k, v, positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
                            self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout, validate=validate)
+        n = cascade_blocks(plan, kv_cache.block_size, self.cascade, self.options)
+        if n:  # the shared prefix read once for the batch, then each sequence's own blocks, merged by LSE
+            level, tables, lens = cascade_level(plan, n, kv_cache.block_size, xp)
+            args = {k: v for k, v in self._softmax_args(xp).items() if k != "alibi_slopes"}
+            cascade_attention(q, key, value, [level], tables, lens, plan.query_start_loc, kv_cache_dtype=kvd,
+                              k_scale=self.k_scale, v_scale=self.v_scale, layout=layout, out=out, **args)
+            return
         run_attention(attn, q, kv, out, None, plan.block_tables, plan.seq_lens, plan.query_start_loc,
                       sliding_window=self.options.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale,
                       **self._softmax_args(xp))

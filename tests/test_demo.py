@@ -97,6 +97,17 @@ def test_main_prints_the_table_and_verifies(capsys):
         assert label in out
 
 
+def test_the_shared_system_prompt_is_read_through_cascade_attention(monkeypatch, capsys):
+    """Once the system prompt's blocks are cached, every running request holds them: the layers read them once a
+    step through cascade_attention (the demo's layers take cascade=True), and --verify still passes."""
+    import cupaged.layers
+
+    calls, real = [], cupaged.layers.cascade_attention
+    monkeypatch.setattr(cupaged.layers, "cascade_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert cli.main([*SMALL, "--backend", "sim", "--verify"]) == 0  # 6 requests: decode steps of 4 behind the prompt
+    assert "PASS" in capsys.readouterr().out and len(calls) > 0
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "gpt-oss"])
 def test_each_family_serves_and_verifies(family, capsys):
     """--family picks the layers' options (biases; windows, softcap and scale; sinks, windows and YaRN); the float64

@@ -232,6 +232,38 @@ def test_prefix_cache_hits_are_attended_through_the_shared_blocks(backend):
     assert_close(out, reference(case, w, embed[prompt_b]), case.tolerance(), "b")
 
 
+@pytest.mark.parametrize("cascade", [True, None, False])
+def test_a_shared_prompt_is_read_once_through_cascade_attention(backend, monkeypatch, cascade):
+    """Eight sequences behind one 70-token prompt (4 shared blocks of 16 once cached), then decode steps: with
+    cascade=True the layer reads the shared blocks through cascade_attention, under the rule (None) only from 256
+    shared tokens (not here), never with False; every step matches the reference either way."""
+    case = C(heads=(8, 2), qk_norm=True, block_size=16, dtype=F16)
+    rng = np.random.default_rng(14)
+    w = weights(rng, case)
+    attn = layer(backend, case, w, cascade=cascade)
+    calls = []
+    real = cupaged.layers.cascade_attention
+    monkeypatch.setattr(cupaged.layers, "cascade_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    embed = rng.standard_normal((64, DIM)).astype(F16)
+    prompt = rng.integers(0, 64, 70)
+    seqs = {i: np.concatenate([prompt, rng.integers(0, 64, 3 + i)]) for i in range(8)}
+    pool = cupaged.BlockPool(64, case.block_size, enable_prefix_caching=True)
+    kv = kv_cache(backend, case, 64, num_layers=1)
+    attn.forward(backend.asarray(embed[seqs[0]]), pool.plan([(0, seqs[0])]), kv, 0)
+    plan = pool.plan([(i, seqs[i]) for i in range(1, 8)])  # prefix hits: 4 blocks each
+    attn.forward(backend.asarray(np.concatenate([embed[seqs[i]] for i in range(1, 8)])), plan, kv, 0)
+    for step in range(2):
+        new = {i: rng.integers(0, 64, 1) for i in range(8)}
+        plan = pool.plan_decode(list(range(8)))
+        assert plan.shared_prefix_blocks == 4
+        out = backend.to_numpy(attn.forward(backend.asarray(np.concatenate([embed[new[i]] for i in range(8)])), plan,
+                                            kv, 0))
+        for i in range(8):
+            seqs[i] = np.concatenate([seqs[i], new[i]])
+            assert_close(out[i:i + 1], reference(case, w, embed[seqs[i]])[-1:], case.tolerance(), f"step {step} {i}")
+    assert len(calls) == (2 if cascade else 0)
+
+
 def test_separate_weights_are_fused_on_load(backend):
     case = C(heads=(8, 2), fuse_qkv=True, qk_norm=True)
     rng = np.random.default_rng(4)

@@ -686,3 +686,24 @@ def test_plan_decode_seq_ids_are_a_copy_of_the_ids():
     assert np.array_equal(device.seq_ids, [4, 9, 3])
     pool.append("s", 1)
     assert pool.plan_decode(["s"]).seq_ids.tolist() == ["s"]
+
+
+def test_shared_prefix_blocks_are_the_leading_blocks_every_sequence_holds_before_its_new_tokens():
+    """A prompt's prefix-cache hits and forks share their leading blocks: plans report how many, only whole blocks
+    of context before every sequence's first new token, 0 for a batch of one or without sharing."""
+    pool = BlockPool(40, 4, enable_prefix_caching=True)
+    prompt = list(range(13))  # 3 full blocks and one token
+    assert pool.plan([("a", prompt)]).shared_prefix_blocks == 0  # one sequence
+    hit = pool.plan([("b", prompt[:10] + [90, 91]), ("z", [7, 8, 9])])
+    assert (hit.slot_mapping[:8] == -1).all() and hit.shared_prefix_blocks == 0  # z shares nothing
+    pool.free("z")
+    assert pool.plan_decode(["a", "b"]).shared_prefix_blocks == 2  # b hit a's first 2 blocks
+    pool.fork("a", "c")
+    step = pool.plan_decode(["c", "a", "b"])
+    assert step.shared_prefix_blocks == 2 and (step.block_tables[:, :2] == step.block_tables[0, :2]).all()
+    assert pool.plan_decode(["c", "a"]).shared_prefix_blocks == 3  # the fork shares a's 3 full blocks (not its tail)
+    chunk = pool.plan([("d", prompt[:4] + [50] * 6)])  # d hits 1 block; with a decode step below its queries start
+    assert chunk.shared_prefix_blocks == 0
+    both = pool.plan([("a", 1), ("d", 2)])  # d's new tokens start at 10: blocks 0-1 before every new token
+    assert both.shared_prefix_blocks == 1  # but only block 0 is d's and a's alike
+    assert BlockPool(8, 4).plan([("x", 5), ("y", 5)]).shared_prefix_blocks == 0

@@ -5,7 +5,8 @@ downloads); the float64 twin of its forward is cupaged.reference.layers.decoder_
 ``family`` picks the attention of a model family (``FAMILIES``): "llama" (QK RMSNorm, as Qwen3 / OLMo have it),
 "qwen2" (q / k / v biases), "gemma2" (local layers with a sliding window alternating with global ones, logit
 softcap 50, the scale of query_pre_attn_scalar = dim / n_heads), "gpt-oss" (q / k / v / o biases, attention sinks,
-alternating windows, YaRN RoPE)."""
+alternating windows, YaRN RoPE). The layers read the shared system prompt's blocks once a step through cascade
+attention whenever every running request holds them (``cascade=True``; windowed layers do not)."""
 
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ class TinyDecoder:
         self.layers = []
         for i in range(config.n_layers):
             attn = Attention(config.n_heads, config.n_kv_heads, config.dim, head_dim=config.head_dim, fuse_qkv=True,
-                             norm_eps=config.norm_eps, rope=rope, dtype=self.dtype, **config.attention_options(i))
+                             norm_eps=config.norm_eps, rope=rope, dtype=self.dtype, cascade=True,
+                             **config.attention_options(i))
             prefix = f"layers.{i}.attn."
             attn.load_state_dict({k[len(prefix):]: xp.asarray(v) if k.endswith("sinks") else put(v)  # float32 logits
                                   for k, v in weights.items() if k.startswith(prefix)})

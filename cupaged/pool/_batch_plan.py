@@ -9,7 +9,7 @@ import functools
 from cupaged._backend import default_array_module, is_host_array, on_sim, resolve_array_module
 from cupaged._host_transfer import PinnedStaging
 
-__all__ = ["BatchPlan", "PinnedStaging", "default_array_module"]
+__all__ = ["BatchPlan", "PinnedStaging", "default_array_module", "shared_prefix_blocks"]
 
 
 _FIELDS = ("slot_mapping", "positions", "query_start_loc", "seq_lens", "block_tables")  # int64 first
@@ -26,7 +26,10 @@ class BatchPlan:
     sequences' ids in batch order (a tuple from ``plan``, the id array from ``plan_decode``; None
     for a plan made by hand), which per-request state such as cross attention's context keys and
     values is found by; ``block_size`` the pool's (None for a plan made by hand), which a cache
-    read with the plan must share. The arrays belong to the caller: no later pool call changes them.
+    read with the plan must share; ``shared_prefix_blocks`` how many leading blocks every sequence's table holds
+    alike, all of them context before every sequence's new tokens (prefix-cache hits of one prompt, forks): the
+    shared prefix cascade attention reads once (0 for one sequence, none shared, or a plan made by hand). The
+    arrays belong to the caller: no later pool call changes them.
     """
 
     query_start_loc: object
@@ -38,6 +41,7 @@ class BatchPlan:
     max_query_len: int
     seq_ids: object = None
     block_size: int | None = None
+    shared_prefix_blocks: int = 0
     _staging: PinnedStaging | None = dataclasses.field(default=None, repr=False)  # the pool's
 
     @property
@@ -69,3 +73,12 @@ def _shared_staging() -> PinnedStaging:
     one could hand its pinned memory back while the copy still reads it)."""
     return PinnedStaging()
 
+
+def shared_prefix_blocks(block_tables, seq_lens, q_lens, block_size: int) -> int:
+    """The leading columns of ``block_tables`` (host, [S, width]) equal in every row and whole blocks of context
+    before each sequence's first new token (seq_len - q_len); 0 for fewer than two sequences."""
+    if block_tables.shape[0] < 2 or block_tables.shape[1] == 0:
+        return 0
+    same = (block_tables == block_tables[:1]).all(axis=0)
+    n = int(same.size if same.all() else same.argmin())
+    return min(n, int((seq_lens - q_lens).min()) // block_size)

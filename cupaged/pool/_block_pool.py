@@ -12,7 +12,7 @@ import numpy as np
 from cupaged._checks import check_bool
 from cupaged.pool import _append
 from cupaged.pool._allocator import BlockAllocator
-from cupaged.pool._batch_plan import BatchPlan, PinnedStaging
+from cupaged.pool._batch_plan import BatchPlan, PinnedStaging, shared_prefix_blocks
 from cupaged.pool._sequence_table import SequenceTable, check_hashable
 
 __all__ = ["BlockPool", "PoolUsage"]
@@ -139,6 +139,7 @@ class BlockPool:
                          seq_lens=batch.lens.astype(np.int32), block_tables=batch.tables.copy(),
                          slot_mapping=slot_mapping, positions=positions, max_seq_len=batch.max_len,
                          max_query_len=int(batch.rows.size > 0), seq_ids=batch.ids.copy(), block_size=s.block_size,
+                         shared_prefix_blocks=shared_prefix_blocks(batch.tables, batch.lens, 1, s.block_size),
                          _staging=self._staging)
 
     # -- sharing and freeing ----------------------------------------------------------------
@@ -188,4 +189,6 @@ class BlockPool:
         return BatchPlan(query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32),
                          block_tables=block_tables, slot_mapping=slot_mapping, positions=positions,
                          max_seq_len=int(seq_lens.max(initial=0)), max_query_len=int(q_lens.max(initial=0)),
-                         seq_ids=seq_ids, block_size=self.block_size, _staging=self._staging)
+                         seq_ids=seq_ids, block_size=self.block_size,
+                         shared_prefix_blocks=shared_prefix_blocks(block_tables, seq_lens, q_lens, self.block_size),
+                         _staging=self._staging)
