@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from cupaged._backend import host_copy
 from cupaged._checks import check_bool, check_float, check_int
 
 __all__ = ["QK_NORMS", "LayerOptions", "layer_options", "alibi_slopes", "norm_shapes"]
@@ -78,7 +79,7 @@ def _alibi(alibi, n_heads: int):
     if alibi is True:
         return alibi_slopes(n_heads)
     try:
-        slopes = np.asarray(alibi.get() if hasattr(alibi, "get") else alibi, np.float64)
+        slopes = host_copy(alibi).astype(np.float64)
     except (TypeError, ValueError):
         raise TypeError(f"alibi must be None, True or an array of n_heads slopes, got {type(alibi).__name__}") \
             from None

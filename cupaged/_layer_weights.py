@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupaged._backend import array_module
+from cupaged._backend import array_module, host_copy
 from cupaged._layer_options import norm_shapes
 
 __all__ = ["expected_shapes", "load_weights", "OPTIONAL"]
@@ -59,14 +59,10 @@ def load_weights(layer, state_dict) -> dict:
     norms = norm_shapes(layer.options.qk_norm, layer.n_heads, layer.n_kv_heads, layer.head_dim)
     for k in state:
         check_shape(k, state[k], norms.get(k, [want[k]]))
-        if k == "sinks" and not np.all(np.isfinite(_host(state[k]))):
+        if k == "sinks" and not np.all(np.isfinite(host_copy(state[k]))):
             raise ValueError("sinks must be finite logits")
     return {k: xp.ascontiguousarray(xp.asarray(a).astype(np.float32 if k == "sinks" else layer.dtype))
             for k, a in state.items()}
-
-
-def _host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def check_shape(name, w, accepted) -> None:

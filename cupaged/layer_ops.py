@@ -140,7 +140,7 @@ def cascade_blocks(plan, block_size: int, cascade, options) -> int:
     """How many of the plan's shared prefix blocks (BatchPlan.shared_prefix_blocks) the layer reads as a cascade
     level: all of them when ``cascade`` is True, none when False, and under the rule above when None; none with a
     sliding window or ALiBi (their masks depend on each query's distance into the prefix)."""
-    n = getattr(plan, "shared_prefix_blocks", 0)
+    n = plan.shared_prefix_blocks
     if not n or cascade is False or options.sliding_window is not None or options.alibi_slopes is not None:
         return 0
     if cascade is None and (n * block_size < CASCADE_MIN_TOKENS or plan.num_seqs < CASCADE_MIN_REQUESTS):

@@ -51,8 +51,8 @@ __device__ __forceinline__ SoftmaxFinish softmax_finish(float m, float l, float 
 // n states (m[i], l[i]) and the sink, merged by the 32 lanes of a warp (lane i folds states i, i + 32, ...):
 // M, L and the LSE, the same bits in every lane (a butterfly's two partners add the same two numbers) and fixed by
 // n alone. The caller weights the output o_i of each non-empty state (l[i] > 0) by softmax_share(m[i], l[i], M)
-// and divides the sum by L (softmax_inverse) last: the IEEE reciprocal's slow path is a call, and every register
-// live across it on sm_80 is saved to local memory.
+// and scales the sum by softmax_inverse(L), taken right after the merge: the IEEE reciprocal's slow path is a
+// call, and the registers live across it (many, after the weighted loop) are saved to local memory.
 struct SoftmaxMerge {
   float mx, total, lse;
 };
