@@ -101,6 +101,21 @@ def _rope(dtype, kv_cache_dtype, neox):
     return case
 
 
+def _rope_call(dtype):
+    """RotaryEmbedding's in-place rotation, cos and sin computed in the kernel, YaRN's attention factor too."""
+    def case(asarray, rng):
+        yarn, rr = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, reference.rope
+        q, k, pos = rng.standard_normal((37, 4, 64)).astype(dtype), rng.standard_normal((37, 2, 64)).astype(dtype), \
+            rng.integers(0, 512, 37)
+        dq, dk = asarray(q), asarray(k)
+        RotaryEmbedding(64, rope_theta=1.5e5, scaling=yarn, max_position_embeddings=256)(asarray(pos), dq, dk)
+        table = rr.cos_sin_cache(512, rr.inv_freq(64, 1.5e5, yarn, max_position_embeddings=256),
+                                 rr.attention_factor(yarn, max_position_embeddings=256))
+        tol = tolerance(dtype)
+        return _worst((dq, rr.rotate(q, pos, table), tol), (dk, rr.rotate(k, pos, table), tol))
+    return case
+
+
 def _vllm(dtype, kv_cache_dtype):
     def case(asarray, rng):
         tokens, heads, head_size, blocks, block_size = 42, 8, 64, 8, 16
@@ -258,6 +273,7 @@ CASES = {
        for dt, kv in ((np.float32, "fp8"), (ml_dtypes.bfloat16, "fp8_e5m2"))},
     **{f"rope_and_cache {np.dtype(dt).name} {kv} {'neox' if neox else 'gptj'}": _rope(dt, kv, neox)
        for dt, kv, neox in ((np.float32, "auto", True), (ml_dtypes.bfloat16, "auto", False), (np.float16, "fp8", True))},
+    "RotaryEmbedding yarn bfloat16 (cos / sin in the kernel)": _rope_call(ml_dtypes.bfloat16),
     **{f"paged_attention {np.dtype(dt).name}": _attention(dt) for dt in _DTYPES},
     "paged_attention bfloat16 window+sinks+softcap": _attention(ml_dtypes.bfloat16, sliding_window=16, sinks=True,
                                                                 softcap=30.0),
