@@ -67,7 +67,7 @@ def kernel_constants() -> dict[str, int]:
     return constants(FAMILY.source, "PA_THREADS", "PA_MERGE_COLS", "PD_THREADS", "PD_TILE", "PD_MAX_Q", "PD_ROWS",
                      "PM_TILE", "PM_ROWS", "MD_HD", "SM_REGISTERS", "PD_REGISTERS", "PM_REGISTERS", "PF_REGISTERS",
                      "MD_REGISTERS", "PD_SMEM_FOR_4", "PD_SMEM_FOR_3", "PM_SMEM_FOR_3", "PF_SMEM_FOR_3", "MD_STAGES_16",
-                     "MD_STAGES_32")
+                     "MD_STAGES_32", "PA_PRIOR_SPLITS")
 
 
 def decode_pipeline(cache_itemsize: int, hd: int, vt: bool = False) -> tuple[int, int]:
@@ -85,7 +85,7 @@ def decode_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int:
     """Dynamic shared memory of paged_decode_kernel: PdSmem<CacheT, HD, VT>::BYTES (its pipeline stages, or the
     warps' merge area when larger)."""
     stages, stage = decode_pipeline(cache_itemsize, hd, vt)
-    return max(stages * stage, 4 * kernel_constants()["PD_ROWS"] * (hd + 2) * 4)
+    return max(stages * stage, _merge_bytes(kernel_constants()["PD_ROWS"], hd))
 
 
 def decode_tile(cache_itemsize: int, hd: int) -> int:
@@ -107,7 +107,7 @@ def decode_mma_smem_bytes(cache_itemsize: int, hd: int, vt: bool = False) -> int
     """Dynamic shared memory of paged_decode_mma_kernel: PmSmem<CacheT, HD, VT>::BYTES (its stages, or the merge
     area when larger)."""
     stages, stage = decode_mma_pipeline(cache_itemsize, hd, vt)
-    return max(stages * stage, 4 * kernel_constants()["PM_ROWS"] * (hd + 2) * 4)
+    return max(stages * stage, _merge_bytes(kernel_constants()["PM_ROWS"], hd))
 
 
 def prefill_shape(hd: int, vhd: int) -> tuple[int, int]:
@@ -152,6 +152,11 @@ def mla_smem_bytes(cache_itemsize: int, mt: int) -> int:
     stages, stage = mla_pipeline(cache_itemsize, mt)
     converted = tile * (2 * width + 16) if cache_itemsize == 1 else 0
     return stages * stage + converted + 5 * rows * tile * 4 + 4 * rows * 4
+
+
+def _merge_bytes(rows: int, hd: int) -> int:
+    """pd_store's shared memory: each warp's m, l, o of each row, then cascade's per-row prior (pd_prior)."""
+    return (4 * rows * (hd + 2) + rows * (hd + 3)) * 4
 
 
 def resident_ctas(threads: int, shared_bytes: int, sm_shared: int, registers: int) -> int:

@@ -50,6 +50,7 @@ class AttentionPlan:
     decode_tiles: int          # the decode kernel's row tiles (4 or 8 rows: its ROWS; MLA: head tiles x queries)
     decode_max_q: int          # the longest run the decode kernel takes (ALL_ROWS: every run)
     decode_layout: str         # the KvView.decode_layout the decode kernel reads
+    prior_state: bool = False  # cascade: the kernels write partials only, the merge folds in a prior (out, LSE)
 
     @property
     def partial_shapes(self):
@@ -169,6 +170,8 @@ class PlanKey(NamedTuple):
     sm_shared: int             # and shared memory an SM
     decode_layout: str         # KvView.decode_layout
     prefill_rows: bool         # KvView.prefill_rows
+    min_query_len: int | None = None  # a hint: every run has at least this many queries (none: the decode kernel's)
+    prior_state: bool = False         # AttentionPlan.prior_state
 
     @property
     def num_tokens(self) -> int:
@@ -228,6 +231,7 @@ def make_plan(key: PlanKey) -> AttentionPlan:
     decode = decode_route(key)
     prefill = None if decode.max_q == ALL_ROWS else prefill_route(key)
     assert decode.max_q == ALL_ROWS or prefill, "a run no kernel takes"  # 16-bit q over rows: the prefill kernel's
+    short_runs = not prefill or (key.min_query_len or 0) <= decode.max_q  # else the decode kernel's CTAs all idle
     main = prefill or decode  # its CTAs do the bulk of the work: its occupancy is what a split fills
     split = key.kv_split_size
     if split is None:
@@ -241,6 +245,8 @@ def make_plan(key: PlanKey) -> AttentionPlan:
         num_heads=key.num_heads, num_seqs=key.num_seqs, num_kv_heads=key.num_kv_heads, head_size=key.head_size,
         v_head_size=key.v_head_size, dtype=key.ctype, kv=kv_key(key.kind, key.kv_cache_dtype, key.block_size),
         kv_split_size=split, max_splits=max_splits, always_partials=key.always_partials,
-        launches=tuple(_over_splits(route.launch, max_splits) for route in (prefill, decode) if route),
-        merge=merge_launch(key) if split > 0 else None, tiles=prefill.launch.grid[0] if prefill else 0,
-        decode_tiles=decode.launch.grid[0], decode_max_q=decode.max_q, decode_layout=key.decode_layout)
+        launches=tuple(_over_splits(route.launch, max_splits)
+                       for route in (prefill, decode if short_runs else None) if route),
+        merge=merge_launch(key) if split > 0 or key.prior_state else None,
+        tiles=prefill.launch.grid[0] if prefill else 0, decode_tiles=decode.launch.grid[0], decode_max_q=decode.max_q,
+        decode_layout=key.decode_layout, prior_state=key.prior_state)

@@ -20,12 +20,13 @@ import numpy as np
 from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._attention_args import (MAX_HEAD_SIZE, check_heads, check_q, check_tables, check_window, check_written,
                                     softmax_scales)
-from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET
+from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, kernel_constants
 from cupaged._backend import (capturing, device_shared_limit, empty, module_of, on_sim, sm_count, sm_shared_bytes,
                               struct_arg)
 from cupaged._cache_args import kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, check_bool, check_last_contiguous, check_optional_int, element_strides
 from cupaged._cost import attention_cost
+from cupaged._custom_mask import check_custom_mask, packed_custom_mask
 from cupaged._kv_view import KvView
 from cupaged._launch import Launch
 from cupaged._plan import AttentionPlan, PlanKey, carve_workspace, make_plan, workspace_bytes
@@ -58,10 +59,14 @@ def _packed_params(values: tuple) -> np.ndarray:
 
 @accepts_foreign_arrays
 def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None,
-                   max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
+                   max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False, min_query_len=None,
+                   prior_state=False) -> AttentionPlan:
     """Plan attention of ``q`` over ``kv``; only the shapes of the index arrays are used (dense K/V:
     ``block_tables`` None and ``seq_lens`` = cu_seqlens_k). ``kv_split_size``: None chooses from the
     shape, 0 never splits, n splits every n keys; ``max_splits`` fixes the partial depth (vLLM v2).
+    ``min_query_len``: a hint that every query run is at least this long (runs past PD_MAX_Q = 16: no decode kernel
+    launch); ``prior_state`` (cascade): every split writes partials and the merge folds in run_attention's
+    ``prior_lse`` state, whose output is ``out``.
     Every argument is checked (shapes, dtypes, hints; never the contents); planning a batch shape seen before
     then costs a dictionary lookup."""
     _check_plan_arrays(q, kv, block_tables, seq_lens, query_start_loc)
@@ -70,18 +75,21 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
                         max_seq_len=check_optional_int("max_seq_len", max_seq_len, 0),
                         kv_split_size=check_optional_int("kv_split_size", kv_split_size, 0),
                         max_splits=check_optional_int("max_splits", max_splits, 1),
-                        always_partials=check_bool("always_partials", always_partials, strict=True))
+                        always_partials=check_bool("always_partials", always_partials, strict=True),
+                        min_query_len=check_optional_int("min_query_len", min_query_len, 0),
+                        prior_state=check_bool("prior_state", prior_state, strict=True))
 
 
 def plan_checked(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None, max_seq_len=None,
-                 kv_split_size=None, max_splits=None, always_partials=False) -> AttentionPlan:
+                 kv_split_size=None, max_splits=None, always_partials=False, min_query_len=None,
+                 prior_state=False) -> AttentionPlan:
     """plan_attention of arguments the caller has checked with the same checks (the ops: validate, plan, run)."""
     xp = module_of(q)
     return make_plan(PlanKey(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads,
                              kv.v_head_size, kv.block_size, None if block_tables is None else block_tables.shape[1],
                              seq_lens.shape[0], query_start_loc is None, max_query_len, max_seq_len, kv_split_size,
                              max_splits, always_partials, sm_count(xp), sm_shared_bytes(xp), kv.decode_layout,
-                             kv.prefill_rows))
+                             kv.prefill_rows, min_query_len, prior_state))
 
 
 def _check_kv(kv) -> None:
@@ -174,15 +182,50 @@ def _check_run(plan: AttentionPlan, q, kv: KvView, out, lse, partials) -> None:
             check_written(f"partials' {name}", a, shape, q.dtype if in_q_type else np.float32, contiguous=True)
 
 
+def _check_prior(plan: AttentionPlan, lse, prior_lse, merge: bool, partials, prior_partials) -> None:
+    """run_attention's cascade arguments (see there)."""
+    if plan.prior_state != (prior_lse is not None or not merge):
+        raise ValueError(f"run_attention: prior_lse (or merge=False) goes with a plan made with prior_state=True "
+                         f"(this plan's prior_state: {plan.prior_state})")
+    if prior_lse is not None:
+        check_written("prior_lse", prior_lse, (plan.num_heads, plan.num_tokens), np.float32, contiguous=True)
+        if prior_lse is lse or not merge:
+            raise ValueError("prior_lse must not be lse (the merge reads one while it writes the other), nor come "
+                             "with merge=False")
+    if not merge and partials is None:
+        raise ValueError("run_attention(merge=False) leaves its partials for a later call: pass partials")
+    if prior_partials is not None:
+        if plan.prior_state or plan.merge is not None or plan.tiles or len(plan.launches) != 1:
+            raise ValueError("prior_partials go to a plan whose one decode kernel does not split (each row folds "
+                             "them in as it finishes)")
+        if not isinstance(prior_partials, (tuple, list)) or len(prior_partials) != 3:
+            raise TypeError(f"prior_partials must be (max_logits, exp_sums, tmp_output), got "
+                            f"{type(prior_partials).__name__}")
+        rows = (plan.num_tokens, plan.num_heads, getattr(prior_partials[0], "shape", (0, 0, 0))[-1])
+        if not 1 <= rows[2] <= kernel_constants()["PA_PRIOR_SPLITS"]:
+            raise ValueError(f"prior_partials: 1 to {kernel_constants()['PA_PRIOR_SPLITS']} splits a row, got "
+                             f"{rows[2]}")
+        for name, a, shape in zip(("max_logits", "exp_sums", "tmp_output"), prior_partials,
+                                  (rows, rows, (*rows, plan.v_head_size))):
+            check_written(f"prior_partials' {name}", a, shape, np.float32, contiguous=True)
+
+
 @accepts_foreign_arrays
 def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, seq_lens, query_start_loc=None, *,
                   scale=None, causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None,
-                  softcap=None, k_scale=1.0, v_scale=1.0, partials=None, seqused_k=None):
+                  softcap=None, k_scale=1.0, v_scale=1.0, partials=None, seqused_k=None, custom_mask=None,
+                  mask_indptr=None, prior_lse=None, merge=True, prior_partials=None):
     """Launch ``plan`` (its main kernels, then the split merge when it splits); returns ``out``. ``lse``: float32
     ``[num_heads, num_tokens]`` or None; ``partials``: (max_logits, exp_sums, tmp_output) of
     ``plan.partial_shapes`` (allocated when None). Visible keys: ``sliding_window`` W (the W most recent) or
     ``window_size`` (left, right) around a query's position, -1 unbounded, and causal caps the right side at 0;
-    ``seqused_k`` (dense K/V): int32 ``[num_seqs]`` keys used of each sequence's rows.
+    ``seqused_k`` (dense K/V): int32 ``[num_seqs]`` keys used of each sequence's rows. ``custom_mask`` /
+    ``mask_indptr``: a tree mask, as paged_attention takes it (cupaged/_custom_mask.py; booleans are packed here).
+    Cascade's levels (cupaged/cascade.py): ``prior_lse`` float32 ``[num_heads, num_tokens]`` (a plan with
+    ``prior_state``; not ``lse``): a state already in ``out``, merged into the result as one more split, the sink
+    added once; or ``merge=False`` (a ``prior_state`` plan, ``partials`` given): the main kernels alone, every
+    split slot of ``partials`` written for a later call's ``prior_partials`` (a plan whose one decode kernel does
+    not split), which its rows fold in before they finish.
     Checked on every call, at a host cost of a few µs: the plan, q and kv against it, out / lse / partials (shape,
     dtype, contiguity, writable), scale and softcap (softmax_scales), causal, the window. The index arrays, sinks,
     alibi_slopes and every array's contents are the caller's: the ops validate them before planning."""
@@ -192,6 +235,11 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
     if sliding_window or window_size is not None:
         sliding_window, window_size = check_window(sliding_window, window_size, causal)
     xp = module_of(q)
+    _check_prior(plan, lse, prior_lse, check_bool("merge", merge, strict=True), partials, prior_partials)
+    check_custom_mask(custom_mask, mask_indptr, plan.num_seqs)
+    custom_mask, mask_indptr = packed_custom_mask(custom_mask, mask_indptr, query_start_loc, seq_lens)
+    if custom_mask is not None and kv.kind == "mla":
+        raise NotImplementedError("custom_mask: MLA's kernel takes no custom mask")
     if kv.kv_cache_dtype == "auto":  # a cache of the data's own type ignores the scales
         k_ptr = v_ptr = None
         ksv = vsv = 1.0
@@ -204,7 +252,7 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
                              f"the keys into up to {plan.max_splits} parts; pass a uint8 workspace of "
                              f"plan.workspace_bytes = {plan.workspace_bytes} bytes")
         partials = tuple(empty(xp, s, np.float32) for s in plan.partial_shapes)
-    max_logits, exp_sums, tmp_output = partials or (None, None, None)
+    max_logits, exp_sums, tmp_output = partials or prior_partials or (None, None, None)
     qs, os_ = element_strides("q", q), element_strides("out", out)
     window = window_bounds(causal, sliding_window, window_size)
     fields = dict(
@@ -212,6 +260,8 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
         table_stride=0 if block_tables is None else element_strides("block_tables", block_tables)[0],
         scale=scale, softcap=softcap or 0.0, k_scale_value=ksv, v_scale_value=vsv, scale_per_head=per_head,
         window_left=window[0], window_right=window[1], always_partials=int(plan.always_partials),
+        partials_only=int(plan.prior_state),
+        prior_splits=0 if prior_partials is None else prior_partials[0].shape[2],
         partials_in_out_type=int(tmp_output is not None and tmp_output.dtype != np.float32),
         num_tokens=plan.num_tokens, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
         head_size=plan.head_size, v_head_size=plan.v_head_size, block_size=kv.block_size,
@@ -235,15 +285,15 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
                               block_size=None if dense else kv.block_size, window=window, lse=lse is not None, shared_kv=kv.kind == "mla",
                               query_start_loc=query_start_loc is not None)
 
-    args = (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, seqused_k, sinks, alibi_slopes, k_ptr, v_ptr,
-            out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp))
+    args = (q, kv.key, kv.value, block_tables, seq_lens, query_start_loc, seqused_k, custom_mask, mask_indptr, sinks,
+            alibi_slopes, k_ptr, v_ptr, out, lse, max_logits, exp_sums, tmp_output, struct_arg(p, xp))
     with op_range(plan.op, label):
         for i, launch in enumerate(plan.launches):
             with declare_launch(xp, plan.op, label, cost) if i == 0 else _OFF:  # the op's cost, declared once
                 _kernel(plan, launch, xp)(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
-        if plan.merge is not None:  # sequences with one split were finished above
+        if plan.merge is not None and merge:  # sequences with one split were finished above
             FAMILY.function(plan.merge.kernel, xp)(
                 plan.merge.grid, plan.merge.block,
                 (out, lse, max_logits, exp_sums, tmp_output, seq_lens, np.int32(block_tables is None), query_start_loc,
-                 seqused_k, sinks, struct_arg(p, xp), np.int32(plan.num_seqs)))
+                 seqused_k, sinks, prior_lse, struct_arg(p, xp), np.int32(plan.num_seqs)))
     return out

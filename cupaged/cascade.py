@@ -9,26 +9,34 @@ sum(kv_lens of its groups) + seq_lens[s] keys, and its queries sit at the end of
 
 Per shared level, the queries of each group attend, as one query run, to the group's keys: every key there comes
 before every query, so the run is non-causal and its K/V are read once for all its requests (by the prefill kernel
-past PD_MAX_Q = 16 queries, a decode kernel below). The own level runs causal paged attention with the sinks; the states are
-then merged by their LSE (:func:`cupaged.merge_attn_states`), so the result equals plain paged attention over each
-request's whole context. Sliding windows and ALiBi, whose masks depend on each query's distance into the shared
-keys, are not taken yet (``NotImplementedError``).
+past PD_MAX_Q = 16 queries, a decode kernel below), its keys split so each SM gets about one CTA, every split writing
+float32 partials only. Two schedules finish it (cupaged/attention.py's run_attention, kernels_cu/attention/):
+- a decode step with one shared level whose own level does not split: two launches. The shared level's kernel, then
+  the own level's decode kernel, which folds the shared partials into each row as it finishes (``prior_partials``;
+  pd_prior weights them once a row), adding the sink once;
+- otherwise (mixed steps, more levels, an own level that splits): the own level first, causal, its output in
+  ``out`` and its LSE kept; then per shared level its kernel and its split merge, which folds in the state so far
+  as one more split (``prior_lse``), adding the sink at the last level.
+The result equals plain paged attention over each request's whole context. Sliding windows and ALiBi, whose masks
+depend on each query's distance into the shared keys, are not taken (the layer never cascades with them).
 """
 
 from __future__ import annotations
 
+import math
 import typing
 
 import numpy as np
 
 from cupaged._attention_args import (check_head_vector, check_heads, check_out, check_q, check_tables, softmax_scales,
                                      validate_tables)
-from cupaged._backend import array_module, host_copy
+from cupaged._backend import array_module, empty, host_copy, is_host_array, sm_count
 from cupaged._cache_args import check_index, check_scale_values, kv_scale_args
 from cupaged._checks import check_bool, check_choice, validate_enabled
 from cupaged._interop import accepts_foreign_arrays
-from cupaged.attention import KvView
-from cupaged.merge_attn_states import merge_attn_states
+from cupaged._attention_kernels import kernel_constants
+from cupaged._plan import MIN_SPLIT
+from cupaged.attention import KvView, plan_checked, run_attention
 from cupaged.paged_attention import paged_attention
 
 __all__ = ["CascadeLevel", "cascade_attention"]
@@ -117,15 +125,55 @@ def cascade_attention(q, key_cache, value_cache, shared_levels, block_tables, se
         for i, level in enumerate(levels):
             _validate_level(i, level, num_seqs, key_cache.shape[0], kv.block_size, num_tokens)
         check_scale_values(kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
-    common = dict(scale=scale, softcap=softcap, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
-                  layout=layout, return_lse=True, validate=False)
+    softmax = dict(scale=scale, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     qsl = xp.arange(num_seqs + 1, dtype=np.int32) if query_start_loc is None else query_start_loc
-    # each group's queries as one run over the group's keys: tokens query_start_loc[group_start_loc[g]] ..
-    states = [paged_attention(q, key_cache, value_cache, level.block_tables, level.kv_lens,
-                              xp.ascontiguousarray(qsl[level.group_start_loc]), causal=False, **common)
-              for level in levels]
+    own = plan_checked(q, kv, block_tables, seq_lens, query_start_loc)
+    if len(levels) == 1 and query_start_loc is None and own.merge is None and len(own.launches) == 1:
+        # decode: the shared level's partials, then the own level's kernel folds them into each row as it finishes
+        level = levels[0]
+        runs = xp.ascontiguousarray(qsl[level.group_start_loc])
+        plan = _level_plan(q, kv, level, runs, xp)
+        partials = tuple(empty(xp, s, np.float32) for s in plan.partial_shapes)
+        run_attention(plan, q, kv, out, None, level.block_tables, level.kv_lens, runs, causal=False, merge=False,
+                      partials=partials, **softmax)
+        lse = empty(xp, (num_heads, num_tokens), np.float32) if return_lse else None
+        run_attention(own, q, kv, out, lse, block_tables, seq_lens, None, causal=causal, sinks=sinks,
+                      prior_partials=partials, **softmax)
+        return (out, lse) if return_lse else out
     out, lse = paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, causal=causal,
-                               sinks=sinks, out=out, **common)
-    for o, level_lse in states:  # merged into out and lse in place
-        merge_attn_states(out, o, level_lse, out, lse, lse)
+                               sinks=None if levels else sinks, out=out, scale=scale, softcap=softcap,
+                               kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, layout=layout,
+                               return_lse=True, validate=False)
+    spare = empty(xp, lse.shape, np.float32) if levels else None
+    for i, level in enumerate(levels):  # each merge reads the state so far from out and lse, writes the next
+        # each group's queries as one run over the group's keys: tokens query_start_loc[group_start_loc[g]] ..
+        runs = xp.ascontiguousarray(qsl[level.group_start_loc])
+        plan = _level_plan(q, kv, level, runs, xp)
+        prior, lse = lse, spare
+        run_attention(plan, q, kv, out, lse, level.block_tables, level.kv_lens, runs, causal=False,
+                      sinks=sinks if i == len(levels) - 1 else None, prior_lse=prior, **softmax)
+        spare = prior
     return (out, lse) if return_lse else out
+
+
+def _level_plan(q, kv, level: CascadeLevel, runs, xp):
+    """A shared level's plan: its keys split so that the grid gives each SM about one CTA (at most PA_PRIOR_SPLITS,
+    what a decode kernel folds in). Every split writes one more float32 partial row per (token, head) and the level's
+    query runs are long (a group's every query), so the partials weigh as much as the keys: the fewest splits that
+    occupy every SM (64 requests x 4096 shared keys, 32 / 8 heads, d128: 8 splits of 512, H200 model: the shared
+    kernel 12.9 us, and the merge 4.3; 30 splits, split_for's wave-filling rule: 15.5 and 6.3)."""
+    hints = dict(min_query_len=_shortest_run(runs), prior_state=True)
+    whole = plan_checked(q, kv, level.block_tables, level.kv_lens, runs, kv_split_size=0, **hints)
+    ctas = math.prod(whole.launches[0].grid)
+    max_kv = level.block_tables.shape[1] * kv.block_size
+    splits = min(max(1, sm_count(xp) // max(ctas, 1)), kernel_constants()["PA_PRIOR_SPLITS"])
+    size = max(MIN_SPLIT, -(-max_kv // splits))
+    return plan_checked(q, kv, level.block_tables, level.kv_lens, runs, kv_split_size=0 if size >= max_kv else size,
+                        **hints)
+
+
+def _shortest_run(runs):
+    """The fewest queries of a group (a planning hint; None when the runs are on the device: never read back)."""
+    if not is_host_array(runs) or runs.shape[0] < 2:
+        return None
+    return int(np.diff(runs.astype(np.int64)).min())

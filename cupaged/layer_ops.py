@@ -12,11 +12,12 @@ from cupaged._attention_args import check_hint, validate_offsets, validate_table
 from cupaged._backend import device_key, host_copy, is_host_array, module_of, on_sim, to_device
 from cupaged._cache_args import check_slots_in_pool
 from cupaged._checks import check_int
+from cupaged._custom_mask import check_custom_mask, content_checked, validate_custom_mask
 from cupaged.kv_cache import KVCache
 
 __all__ = ["ContextCache", "linear", "rms_norm", "layer_norm", "qk_normalize", "rope_cache", "rope_rows",
            "rope_positions", "check_positions", "cache_arrays", "cascade_blocks", "cascade_level", "device_plan",
-           "validate_plan", "whole_sequences"]
+           "validate_plan", "whole_sequences", "check_plan_mask"]
 
 _DEVICE_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # host BatchPlan -> {xp: its upload}
 _ROPE_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # RotaryEmbedding -> {xp: cos_sin}
@@ -203,6 +204,24 @@ def whole_sequences(plan, validate: bool) -> None:
     if not np.array_equal(np.diff(host_copy(plan.query_start_loc)), host_copy(plan.seq_lens)):
         raise ValueError("attn_type='full' attends over whole sequences in one pass: every sequence of plan must "
                          "have q_len == seq_len (no cached prefix, no decode)")
+
+
+def check_plan_mask(plan, options, attn_type: str, validate: bool) -> None:
+    """A plan's tree mask (``BatchPlan.custom_mask``), before anything is written. "cross" attention reads a
+    context, not the sequence's keys: the mask does not concern it. "full" attention and a sliding window or ALiBi
+    do not take one: a window and ALiBi measure distances by key index, and a tree node's index is not its token
+    position. Shapes always; contents under validate or when on the host (an unpack per layer: pack once with
+    ``cupaged.pack_custom_mask``)."""
+    if plan.custom_mask is None and plan.mask_indptr is None or attn_type == "cross":
+        return
+    if attn_type == "full":
+        raise NotImplementedError("custom_mask with attn_type='full': a tree mask is for causal 'self' attention")
+    if options.sliding_window is not None or options.alibi_slopes is not None:
+        raise NotImplementedError("custom_mask with a sliding window or ALiBi: both measure distances by key index, "
+                                  "and a tree node's index is not its token position")
+    check_custom_mask(plan.custom_mask, plan.mask_indptr, plan.num_seqs)
+    if content_checked(validate, plan.custom_mask, plan.mask_indptr, plan.query_start_loc, plan.seq_lens):
+        validate_custom_mask(plan.custom_mask, plan.mask_indptr, plan.query_start_loc, plan.seq_lens)
 
 
 class ContextCache:

@@ -25,8 +25,9 @@ from cupaged._layer_weights import expected_shapes, load_weights
 from cupaged.attention import KvView, plan_attention, run_attention
 from cupaged.cache_ops import reshape_and_cache_flash
 from cupaged.cascade import cascade_attention
-from cupaged.layer_ops import ContextCache, cache_arrays, cascade_blocks, cascade_level, check_positions, device_plan, \
-    linear, qk_normalize, rope_cache, rope_positions, rope_rows, validate_plan, whole_sequences
+from cupaged.layer_ops import ContextCache, cache_arrays, cascade_blocks, cascade_level, check_plan_mask, \
+    check_positions, device_plan, linear, qk_normalize, rope_cache, rope_positions, rope_rows, validate_plan, \
+    whole_sequences
 from cupaged.rope import RotaryEmbedding, rope_and_cache
 from cupaged.varlen_attention import varlen_attention
 
@@ -122,7 +123,8 @@ class Attention:
         ``validate`` (None: the CUPAGED_VALIDATE environment variable decides): check the plan's contents before
         anything is written (query_start_loc against seq_lens and the tokens, the hints, block tables and
         slot_mapping against the cache, positions against the RoPE cos / sin cache), as the ops do. A host plan's
-        positions are checked always. Returns ``[num_tokens, dim]``."""
+        positions are checked always. A plan's tree mask (``custom_mask``: speculative decoding) goes to "self"
+        layers' paged attention, never through the cascade. Returns ``[num_tokens, dim]``."""
         w = self.weights
         if not w:
             raise RuntimeError("Attention.forward: call load_state_dict first")
@@ -155,6 +157,7 @@ class Attention:
                 validate_plan(plan, x.shape[0])
             if self.attn_type == "full":
                 whole_sequences(plan, validate)
+        check_plan_mask(plan, self.options, self.attn_type, validate)
         plan = device_plan(plan, xp)
         t = x.shape[0]
         if self.attn_type == "cross":
@@ -249,7 +252,7 @@ class Attention:
                 cos_sin = rope_cache(self.rope, rope_positions(plan, kv_cache.block_size), xp)
             rope_and_cache(q, k, v, positions, cos_sin, key, value, plan.slot_mapping, kvd, self.k_scale,
                            self.v_scale, is_neox_style=self.rope.is_neox_style, layout=layout, validate=validate)
-        n = cascade_blocks(plan, kv_cache.block_size, self.cascade, self.options)
+        n = cascade_blocks(plan, kv_cache.block_size, self.cascade, self.options) if plan.custom_mask is None else 0
         if n:  # the shared prefix read once for the batch, then each sequence's own blocks, merged by LSE
             level, tables, lens = cascade_level(plan, n, kv_cache.block_size, xp)
             args = {k: v for k, v in self._softmax_args(xp).items() if k != "alibi_slopes"}
@@ -258,7 +261,7 @@ class Attention:
             return
         run_attention(attn, q, kv, out, None, plan.block_tables, plan.seq_lens, plan.query_start_loc,
                       sliding_window=self.options.sliding_window, k_scale=self.k_scale, v_scale=self.v_scale,
-                      **self._softmax_args(xp))
+                      custom_mask=plan.custom_mask, mask_indptr=plan.mask_indptr, **self._softmax_args(xp))
 
     def _context_kv(self, plan, store, layer, context, xp):
         """The batch's context keys and values packed along the token axis, their cu_seqlens and longest length,

@@ -3,7 +3,8 @@
 // Maths, per query row (token t of sequence s at position p = seq_len - q_len + i, head h):
 //   s_j = softcap(scale * q . k_j) - slope_h * |j - p|      for visible keys j
 //   out = sum_j e^{s_j - M} v_j / (sum_j e^{s_j - M} + e^{sink_h - M}),  LSE = M + log(denominator)
-// visible: j < seq_len and p - window_left <= j <= p + window_right (-1: unbounded; causal: window_right 0). fp32
+// visible: j < seq_len and p - window_left <= j <= p + window_right (-1: unbounded; causal: window_right 0), and with
+// a custom (tree) mask its bit (query i, key j) set: FlashInfer's packed masks (logits.cuh pa_row_sees). fp32
 // online softmax.
 //
 // Layouts (docs/conventions.md §4), strides in elements; the key cache is addressed as
@@ -83,6 +84,12 @@
 //       lane; splits: the fewest that fill 90% of a wave (each split more is one more partial row to write and
 //       merge). H200 model v2: MLA 64 x 4096, 16 heads 99.2 -> 80.7 us (4 splits, not 12; merge 17.5 -> 5.2 us);
 //       mixed batch 684.5 -> 654.4 us; 1 x 32768 38.8 -> 40.5 us (one wave of 45 splits, not two of 99).
+//   v9: custom (tree) masks in every kernel, tested on the masked tiles only; cascade's schedules (cupaged/cascade.py):
+//       partials_only levels writing every split slot (pa_mark_empty), the merge folding in a prior state
+//       (prior_lse), and the decode kernels folding a level's partials into their rows' finish (prior_splits,
+//       pd_prior). H200 model, 64 requests x (4096 shared + 256 own), 32/8, d128, fp16: 47.8 us in 5 launches
+//       (merge_attn_states after two paged_attention calls) -> 33.0 us in 2; the merge's 1/L is MUFU.RCP and a
+//       Newton step (no slow-path call) and its __launch_bounds__ give ptxas a budget: no spills.
 //
 // Uses:      common.cuh, softmax.cuh, tensor_core.cuh (ldmatrix / mma.sync as inline PTX), attention/*.cuh
 // Used by:   cupaged/attention.py (the family; plan_attention / run_attention launch the kernels, reading

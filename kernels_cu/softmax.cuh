@@ -48,7 +48,8 @@ __device__ __forceinline__ SoftmaxFinish softmax_finish(float m, float l, float 
   return {total > 0.0f ? w / total : 0.0f, softmax_lse(mx, total)};
 }
 
-// n states (m[i], l[i]) and the sink, merged by the 32 lanes of a warp (lane i folds states i, i + 32, ...):
+// n states (m[i], l[i]), the sink and a prior state (cascade's: an LSE, l = 1; -inf: none), merged by the 32 lanes
+// of a warp (lane i folds states i, i + 32, ...):
 // M, L and the LSE, the same bits in every lane (a butterfly's two partners add the same two numbers) and fixed by
 // n alone. The caller weights the output o_i of each non-empty state (l[i] > 0) by softmax_share(m[i], l[i], M)
 // and scales the sum by softmax_inverse(L), taken right after the merge: the IEEE reciprocal's slow path is a
@@ -58,17 +59,26 @@ struct SoftmaxMerge {
 };
 
 // 1 / L, 0 when L = 0 (nothing visible, no sink).
-__device__ __forceinline__ float softmax_inverse(float total) { return total > 0.0f ? __frcp_rn(total) : 0.0f; }
+// L >= 1 when positive (the state holding M adds e^0 l >= 1), so MUFU.RCP's estimate refined by one Newton step is
+// within an ulp of the IEEE reciprocal and needs no slow path: __frcp_rn's is a call, and the registers live
+// across it (the prior state's output, cascade's) were saved to local memory (8-20 B of spills on sm_80 / sm_90).
+__device__ __forceinline__ float softmax_inverse(float total) {
+  if (!(total > 0.0f)) return 0.0f;
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(total));
+  return fmaf(fmaf(-total, r, 1.0f), r, r);
+}
 
 // w_i l_i, the term of a non-empty state in L.
 __device__ __forceinline__ float softmax_share(float m, float l, float mx) { return expf(m - mx) * l; }
 
-__device__ __forceinline__ SoftmaxMerge softmax_merge(const float* m, const float* l, int n, float sink, int lane) {
-  float mx = sink;
+__device__ __forceinline__ SoftmaxMerge softmax_merge(const float* m, const float* l, int n, float sink, float prior,
+                                                      int lane) {
+  float mx = fmaxf(sink, prior);
 #pragma unroll 1
   for (int i = lane; i < n; i += 32) mx = softmax_max(mx, m[i], l[i]);
   for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float total = lane == 0 ? softmax_weight(sink, mx) : 0.0f;
+  float total = lane == 0 ? softmax_weight(sink, mx) + softmax_weight(prior, mx) : 0.0f;
 #pragma unroll 1
   for (int i = lane; i < n; i += 32)
     if (l[i] > 0.0f) total += softmax_share(m[i], l[i], mx);
@@ -83,9 +93,12 @@ struct LseMerge {
   float w1, w2, lse;
 };
 
+// An LSE as a state's logit: an infinite one of either sign is an empty state, -inf.
+__device__ __forceinline__ float lse_state(float lse) { return isinf(lse) ? neg_inf() : lse; }
+
 __device__ __forceinline__ LseMerge lse_merge(float lse1, float lse2) {
-  lse1 = isinf(lse1) ? neg_inf() : lse1;
-  lse2 = isinf(lse2) ? neg_inf() : lse2;
+  lse1 = lse_state(lse1);
+  lse2 = lse_state(lse2);
   const float mx = fmaxf(lse1, lse2);
   if (mx == neg_inf()) return {1.0f, 0.0f, neg_inf()};
   const float e1 = expf(lse1 - mx), e2 = expf(lse2 - mx), total = e1 + e2;

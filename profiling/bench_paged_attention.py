@@ -7,7 +7,9 @@ printed beside. ``--model`` (sim, no GPU): the H200 model projected to these pro
 (profiling/_model.py): decode 64 x 4096 with 32/8 and 64/8 heads,
 head 128, fp16 / bf16 / fp8_e4m3; decode 1 x 32768 32/8 fp16; prefill 8 x 2048 causal 32/8 bf16; varlen 4 x 4096
 non-causal, 128 heads, QK 192 / V 128 bf16 (MLA prefill's shape); a mixed batch of 4 prefill chunks of 512 and 256
-decode tokens (contexts 2048, 32/8 heads, bf16) beside its two halves alone (``--sweep`` adds decode contexts
+decode tokens (contexts 2048, 32/8 heads, bf16) beside its two halves alone; ``cascade_decode`` (64 requests
+behind one 4096-token prompt, 256 own tokens each) and ``tree_verify`` (64 requests verifying 64-token draft trees
+over 4096-token contexts), profiling/_serving_rows.py (``--sweep`` adds decode contexts
 512..16384 and prefill lengths 512 and 1024). Without either: a
 smoke run of tiny sizes on the sim (CPU timings of the simulator, not GPU timings).
 
@@ -27,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 import _model  # noqa: E402
+from _serving_rows import serving_rows  # noqa: E402
 
 import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
@@ -190,7 +193,9 @@ def model_rows(sweep: bool) -> list:
     rows = [project(*m) for m in model_shapes(sweep)]
     rows.append(project_varlen())
     rows += [project_ragged(name, *batch) for name, batch in mixed_batches().items()]
-    return rows
+    decode = next((r for r in rows if (r["op"], r["batch"], r["context"], r["num_heads"], r["kv_dtype"]) ==
+                   ("decode", 64, 4096, 32, "fp16")), None)
+    return rows + serving_rows(decode)
 
 
 def model_shapes(sweep: bool):

@@ -155,3 +155,77 @@ def test_bad_input_is_named_before_any_launch():
         assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
     cupaged.cascade_attention(**inputs, **options, out=out, validate=True)  # the good call writes
     assert not (out == 7).any()
+
+
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_launches_of_a_step_with_one_shared_level(monkeypatch, step):
+    """Decode: the shared level's kernel (partials only; no idle decode-kernel launch: the group's run is past 16
+    queries), then the own level's decode kernel, which folds those partials into each row: two launches. A mixed
+    step (query runs given): the own level (its plan's kernels: without a hint both, the prefill kernel's CTAs
+    idle here), the shared level's kernel and its merge, which folds the own state in. Nothing else, and the
+    result matches the reference."""
+    from cupaged import attention
+
+    launched = []
+    real = attention.FAMILY.function
+
+    class Recording:  # the kernel, its launches named (attributes such as the shared-memory opt-in go to it)
+        def __init__(self, name, xp):
+            object.__setattr__(self, "kernel", real(name, xp))
+            object.__setattr__(self, "name", name.split("<")[0].removeprefix("cupaged::"))
+
+        def __setattr__(self, key, value):
+            setattr(self.kernel, key, value)
+
+        def __call__(self, *args, **kwargs):
+            launched.append(self.name)
+            return self.kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention.FAMILY, "function", Recording)
+    monkeypatch.setattr(attention, "_OPTED_IN", {})
+    case = C(levels=(((20,), (300,)),), own=tuple((1, 3 + i) for i in range(20)))
+    inputs, options, (ref_out, ref_lse) = build(case, seed=4)
+    inputs["block_tables"] = inputs["block_tables"][:, :3].copy()  # own tables as narrow as decode's: no split
+    if step == "mixed":
+        inputs["query_start_loc"] = np.arange(21, dtype=np.int32)
+    out, lse = cupaged.cascade_attention(**inputs, **options, return_lse=True)
+    want = {"decode": ["paged_prefill_kernel", "paged_decode_mma_kernel"],
+            "mixed": ["paged_prefill_kernel", "paged_decode_mma_kernel", "paged_prefill_kernel",
+                      "paged_attention_reduce_kernel"]}[step]
+    assert launched == want
+    atol, rtol = tolerance(case.dtype)
+    assert_close(out, ref_out, (2 * atol, 2 * rtol), "out")
+    assert_close(lse, ref_lse, "lse", "lse")
+
+
+def test_run_attention_takes_a_prior_state_only_with_a_plan_made_for_one():
+    case = C(levels=(((4,), (40,)),), own=((1, 3), (1, 1), (1, 9), (1, 2)))
+    inputs, _, _ = build(case, seed=5)
+    q = inputs["q"]
+    level = inputs["shared_levels"][0]
+    kv = cupaged.KvView.paged(inputs["key_cache"], inputs["value_cache"], q)
+    runs = np.array([0, 4], np.int32)
+    out = np.zeros_like(q)
+    lse = np.zeros((q.shape[1], q.shape[0]), np.float32)
+    with_prior = cupaged.plan_attention(q, kv, level.block_tables, level.kv_lens, runs, prior_state=True)
+    plain = cupaged.plan_attention(q, kv, level.block_tables, level.kv_lens, runs)
+    args = (q, kv, out, lse, level.block_tables, level.kv_lens, runs)
+    with pytest.raises(ValueError, match=r"prior_lse \(or merge=False\) goes with a plan made with prior_state"):
+        cupaged.run_attention(with_prior, *args)
+    with pytest.raises(ValueError, match=r"prior_lse \(or merge=False\) goes with a plan made with prior_state"):
+        cupaged.run_attention(plain, *args, prior_lse=lse.copy())
+    with pytest.raises(ValueError, match="prior_lse must not be lse"):
+        cupaged.run_attention(with_prior, *args, prior_lse=lse)
+    with pytest.raises(ValueError, match="prior_lse"):
+        cupaged.run_attention(with_prior, *args, prior_lse=lse[:, :2].copy())
+    with pytest.raises(ValueError, match="pass partials"):
+        cupaged.run_attention(with_prior, *args, merge=False)
+    partials = tuple(np.zeros(s, np.float32) for s in with_prior.partial_shapes)
+    with pytest.raises(ValueError, match="prior_partials go to a plan whose one decode kernel does not split"):
+        cupaged.run_attention(with_prior, *args, merge=False, partials=partials, prior_partials=partials)
+    own = cupaged.plan_attention(q, kv, inputs["block_tables"], inputs["seq_lens"])
+    own_args = (q, kv, out, lse, inputs["block_tables"], inputs["seq_lens"])
+    with pytest.raises(TypeError, match="prior_partials must be"):
+        cupaged.run_attention(own, *own_args, prior_partials=partials[0])
+    with pytest.raises(ValueError, match="prior_partials' tmp_output"):
+        cupaged.run_attention(own, *own_args, prior_partials=(*partials[:2], partials[2][..., :8].copy()))

@@ -12,7 +12,10 @@ import pytest
 
 from cupaged.__main__ import main as cupaged_main
 from cupaged.demo import cli
-from cupaged.demo.engine import drop_cached
+from cupaged import KVCache
+from cupaged.demo import engine as demo_engine
+from cupaged.demo.engine import Request, drop_cached
+from cupaged.demo.speculative import DraftTree, accept, compact, tree_mask
 from cupaged.pool import BlockPool
 from cupaged.reference.layers import decoder_logits
 
@@ -153,6 +156,125 @@ def test_other_seeds_pools_and_budgets_serve_every_request_correctly(seed, block
     assert cli.verify(engine.finished, weights, config, "float32"), capsys.readouterr().out
 
 
+# -- --speculative K: draft trees verified under a tree mask ------------------------------------------------------
+
+SPECULATIVE = [*SMALL, "--backend", "sim", "--max-new-tokens", "12", "--num-blocks", "13"]  # 3 preemptions at K=4
+
+
+def _serve_checked(argv):
+    """(engine, weights, config) of ``argv`` served to the end, the pool's invariants checked after every step."""
+    engine, weights, config = cli.build(cli.parser().parse_args(argv))
+    while not engine.done:
+        engine.step()
+        engine.pool.check()
+    return engine, weights, config
+
+
+@pytest.fixture(scope="module")
+def speculated():
+    """SPECULATIVE served plainly and with --speculative 4 (the draft's top 2, then a chain of 2 under the best), and
+    how many key / value rows compaction moved (an accepted runner-up's, drafted last)."""
+    moved = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(demo_engine, "compact", lambda kv, src, dst: moved.append(len(src)) or compact(kv, src, dst))
+        spec = _serve_checked([*SPECULATIVE, "--speculative", "4"])
+    return _serve_checked(SPECULATIVE)[0], spec, sum(moved)
+
+
+def test_speculative_greedy_requests_emit_exactly_plain_greedy_decoding(speculated):
+    plain, (spec, _, _), _ = speculated
+    greedy = {r.seq_id: r.tokens for r in plain.finished if r.temperature == 0}
+    assert len(greedy) == 5 and greedy == {r.seq_id: r.tokens for r in spec.finished if r.temperature == 0}
+    assert {r.seq_id: r.generated for r in spec.finished} == {r.seq_id: r.generated for r in plain.finished}
+    assert spec.pool.usage().blocks_in_use == 0 and spec.stats["steps"] < plain.stats["steps"]
+
+
+def test_speculative_run_verifies_every_emitted_token(speculated, capsys):
+    _, (engine, weights, config), _ = speculated
+    assert cli.verify(engine.finished, weights, config, "float32")
+    assert "PASS" in capsys.readouterr().out
+    r = next(r for r in engine.finished if r.temperature == 0)
+    ref = decoder_logits(weights, config, r.tokens[:-1])
+    assert [pos for pos, _, _ in r.logits] == list(range(len(r.prompt) - 1, len(r.tokens) - 1))
+    for pos, row, token in r.logits:
+        np.testing.assert_allclose(row, ref[pos], rtol=0, atol=1e-4)
+
+
+def test_speculative_run_accepts_drafts_and_a_runner_up_beside_preemption_and_the_fork(speculated):
+    _, (engine, _, _), moved = speculated
+    s, spec = engine.stats, engine.speculator
+    assert 0 < spec.accepted < spec.drafted <= 4 * spec.verified and moved >= 1
+    assert s["preemptions"] >= 1 and s["forks"] == 1 and s["mixed_steps"] >= 1 and s["max_batch_tokens"] <= 24
+
+
+def test_main_with_speculative_prints_the_acceptance_line_and_verifies(capsys):
+    assert cli.main([*SPECULATIVE, "--requests", "3", "--speculative", "2", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"speculative decoding +\| \d+ drafted / \d+ accepted tokens \(.*%\), \d+\.\d\d accepted per "
+                     r"verify step \(\d+ tree verifications of up to 2 tokens; draft: layer 0 of 2\)", out), out
+    assert "PASS" in out
+    assert cli.main([*SPECULATIVE, "--requests", "3"]) == 0
+    assert "speculative" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags", [["--family", "qwen2"], ["--vocab", "1"], ["--token-budget", "2"],
+                                   ["--max-new-tokens", "1"], ["--speculative", "9", "--layers", "3"]],
+                         ids=["qwen2", "vocab-of-one", "budget-of-two", "one-new-token", "deep-chain-of-3-layers"])
+def test_speculative_edge_flags_serve_and_verify(flags, capsys):
+    """Qwen2's biases; a vocabulary of one (no runner-up: a chain); a budget of 2 (one draft a step); no token left
+    to draft; drafts longer than the requests' remaining tokens (capped: a step never overshoots max-new-tokens)."""
+    assert cli.main([*SPECULATIVE, "--requests", "3", "--speculative", "3", *flags, "--verify"]) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_tree_mask_shows_each_node_the_context_its_ancestors_and_itself():
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, 1, -1])  # best, its chain of 2, the runner-up
+    want = [[1, 1, 1, 0, 0, 0, 0],   # the root at key index 2
+            [1, 1, 1, 1, 0, 0, 0],   # node 0
+            [1, 1, 1, 1, 1, 0, 0],   # node 1, below 0
+            [1, 1, 1, 1, 1, 1, 0],   # node 2, below 1
+            [1, 1, 1, 0, 0, 0, 1]]   # node 3, the root's second child
+    np.testing.assert_array_equal(tree_mask(tree, 2), np.array(want, bool))
+    assert [tree.depth(i) for i in range(4)] == [1, 2, 3, 1] and tree.children(-1) == [0, 3]
+
+
+def test_greedy_acceptance_follows_the_targets_argmax_and_adds_its_bonus():
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, 1, -1])
+    rows = np.zeros((5, 10), np.float32)
+    rows[0, 8], rows[4, 2] = 1, 1  # the target takes the runner-up, then 2 (no child: the bonus)
+    path, emitted = accept(Request(0, [1], 5), tree, rows)
+    assert path == [3] and [t for _, t in emitted] == [8, 2] and np.array_equal(emitted[1][0], rows[4])
+    rows[0, 8], rows[0, 5], rows[1, 6], rows[2, 1] = 0, 1, 1, 1  # best, its child, then 1 (not 7)
+    path, emitted = accept(Request(0, [1], 5), tree, rows)
+    assert path == [0, 1] and [t for _, t in emitted] == [5, 6, 1]
+
+
+def test_sampled_acceptance_draws_the_targets_distribution():
+    """The ratio rule over deterministic drafts (accept x with probability p(x), else drop x from p) leaves the first
+    token distributed as p = softmax(row / temperature), whichever two tokens the draft proposes."""
+    row = np.array([1.0, 0.5, -0.2, 0.9, 0.1], np.float32)
+    p = np.exp(row / 0.8) / np.exp(row / 0.8).sum()
+    request, n = Request(1, [1], 5, temperature=0.8, seed=3), 40000
+    tree = DraftTree([2, 0], [-1, -1])
+    first = [accept(request, tree, np.stack([row, row, row]))[1][0][1] for _ in range(n)]
+    counts = np.bincount(first, minlength=5)
+    assert np.all(np.abs(counts / n - p) < 4 * np.sqrt(p * (1 - p) / n)), (counts / n, p)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_compact_moves_every_layers_rows(layout):
+    kv = KVCache(2, 4, 4, 2, 8, np.float32, layout=layout, xp=np)
+    for c in kv.key_caches + kv.value_caches:
+        c[...] = np.random.default_rng(0).standard_normal(c.shape)
+    before = [c.copy() for c in kv.key_caches + kv.value_caches]
+    compact(kv, [9, 5], [5, 6])  # slot 5 is read before it is written
+    for c, old in zip(kv.key_caches + kv.value_caches, before):
+        rows = (lambda a, s: a[s // 4, s % 4]) if layout == "NHD" else (lambda a, s: a[s // 4, :, s % 4])
+        np.testing.assert_array_equal(rows(c, 5), rows(old, 9))
+        np.testing.assert_array_equal(rows(c, 6), rows(old, 5))
+        np.testing.assert_array_equal(rows(c, 7), rows(old, 7))
+
+
 # A one-layer model of a few dimensions: the flag tests below that serve run in about a second.
 TINY = ["--backend", "sim", "--layers", "1", "--dim", "16", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
         "--hidden", "8", "--vocab", "11", "--requests", "3", "--max-new-tokens", "3", "--system-len", "5",
@@ -182,6 +304,13 @@ BAD_FLAGS = {  # id: (flags after TINY, what the one-line error must say)
     "dim-not-a-number": (["--dim", "1e3"], "argument --dim: invalid count value: '1e3'"),
     "dtype-float64": (["--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
     "backend-unknown": (["--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
+    "speculative-negative": (["--speculative", "-1"], "argument --speculative: must be at least 0, got -1"),
+    "speculative-one-layer": (["--speculative", "2"], "argument --speculative: the draft model is the first of "
+                                                      "--layers 1: give --layers 2 or more"),
+    "speculative-gemma2": (["--speculative", "2", "--layers", "2", "--family", "gemma2"],
+                           "argument --speculative: --family gemma2's sliding-window layers take no tree mask"),
+    "speculative-gpt-oss": (["--speculative", "2", "--layers", "2", "--family", "gpt-oss"],
+                            "argument --speculative: --family gpt-oss's sliding-window layers take no tree mask"),
 }
 
 

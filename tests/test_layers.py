@@ -925,3 +925,87 @@ def test_the_default_options_are_todays_layer():
     # Bloom's get_slopes for 12 heads: 8 slopes 2^-1 .. 2^-8, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5
     assert np.array_equal(slopes, np.array([2.0 ** -i for i in range(1, 9)] + [2.0 ** -(i + 0.5) for i in range(4)],
                                            np.float32))
+
+
+# -- a tree mask: speculative decoding's verify step ---------------------------------------------------------
+
+TREES = {"a": [-1, 0, 1, -1, 3], "b": [-1, -1, 1]}  # each draft node's parent, in topological order (-1: the root)
+TREE_CASES = [C(heads=(8, 2), qk_norm=True, rope="neox", block_size=5),
+              C(heads=(8, 1), fuse_qkv=True, rope="gptj", dtype=F16, layout="HND")]
+
+
+def _branch(parents, node):
+    """The nodes from the root's first child down to ``node`` (-1: the root, an empty branch)."""
+    return _branch(parents, parents[node]) + [node] if node >= 0 else []
+
+
+@pytest.mark.parametrize("case", TREE_CASES, ids=[c.id() for c in TREE_CASES])
+def test_a_tree_mask_attends_each_node_over_its_own_branch(backend, case, monkeypatch):
+    """Two forks of one 17-token prompt verify draft trees (the root, their last token, at key index 17, node i at
+    18 + i, RoPE position 17 + its depth, a mask showing each node the prompt, its ancestors and itself) beside a
+    third fork's causal 11-token chunk, in one step: every row is the float64 reference of plain causal attention
+    over its own branch, an independent check of the mask. The forks share the prompt's blocks, which the layer
+    (cascade=True) would read through cascade_attention; with a mask it never does."""
+    rng = np.random.default_rng(34)
+    w = weights(rng, case)
+    attn = layer(backend, case, w, cascade=True)
+    monkeypatch.setattr(cupaged.layers, "cascade_attention", lambda *a, **k: pytest.fail("cascade with a mask"))
+    prompt, chunk = (rng.standard_normal((n, DIM)).astype(case.dtype) for n in (17, 11))
+    nodes = {s: rng.standard_normal((1 + len(p), DIM)).astype(case.dtype) for s, p in TREES.items()}  # root first
+    pool, kv = cupaged.BlockPool(24, case.block_size), kv_cache(backend, case, 24, num_layers=1)
+    attn.forward(backend.asarray(prompt), pool.plan([("a", 17)]), kv, 0)
+    pool.fork("a", "b")
+    pool.fork("a", "c")
+    plan = pool.plan([("a", 6), ("c", 11), ("b", 4)])
+    cupaged.copy_blocks(kv.key_caches, kv.value_caches, backend.asarray(pool.take_pending_copies()))
+    assert plan.shared_prefix_blocks == 17 // case.block_size
+    positions, rows = plan.positions.copy(), [np.tril(np.ones((11, 28), bool), 17)]
+    for s, start in (("a", 0), ("b", 17)):
+        parents = TREES[s]
+        mask = np.zeros((1 + len(parents), 18 + len(parents)), bool)
+        mask[:, :18] = True  # the prompt and the root
+        for i, p in enumerate(parents):
+            mask[1 + i, 18:] = mask[1 + p, 18:]  # parent before child: its row is complete
+            mask[1 + i, 18 + i] = True
+            positions[start + 1 + i] = 17 + len(_branch(parents, i))
+        rows.insert(0 if s == "a" else 2, mask)
+    custom_mask = np.concatenate([m.reshape(-1) for m in rows])
+    packed, indptr = cupaged.pack_custom_mask(custom_mask, query_start_loc=plan.query_start_loc,
+                                              seq_lens=plan.seq_lens)
+    tree_plan = dataclasses.replace(plan, positions=positions, custom_mask=packed, mask_indptr=indptr)
+    x = np.concatenate([nodes["a"], chunk, nodes["b"]])
+    out = backend.to_numpy(attn.forward(backend.asarray(x), tree_plan, kv, 0))
+    assert_close(out[6:17], reference(case, w, np.concatenate([prompt, chunk]))[17:], case.tolerance(), "chunk")
+    for s, start in (("a", 0), ("b", 17)):
+        for node in range(-1, len(TREES[s])):
+            branch = nodes[s][[0] + [1 + i for i in _branch(TREES[s], node)]]
+            want = reference(case, w, np.concatenate([prompt, branch]))[-1:]
+            assert_close(out[start + 1 + node:start + 2 + node], want, case.tolerance(), f"{s} node {node}")
+
+
+@pytest.mark.parametrize("kwargs, attn_type", [({"sliding_window": 8}, "self"), ({"alibi": True}, "self"),
+                                               ({}, "full")], ids=["sliding_window", "alibi", "full"])
+def test_a_tree_mask_with_a_window_alibi_or_full_attention_is_not_implemented(kwargs, attn_type):
+    """A window and ALiBi measure distances by key index, which in a tree is not the token position; nothing is
+    written."""
+    case = C(heads=(8, 2))
+    attn = layer(_SIM, case, weights(np.random.default_rng(0), case), attn_type, **kwargs)
+    pool, kv = cupaged.BlockPool(8, case.block_size), kv_cache(_SIM, case, 8, num_layers=1)
+    plan = pool.plan([("a", 3)])
+    tree_plan = dataclasses.replace(plan, custom_mask=np.tril(np.ones((3, 3), bool)).reshape(-1))
+    before = cache_bytes(kv, _SIM)
+    with pytest.raises(NotImplementedError, match="custom_mask"):
+        attn.forward(_SIM.asarray(np.ones((3, DIM), F32)), tree_plan, kv, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(cache_bytes(kv, _SIM), before))
+
+
+def test_a_tree_mask_that_shows_a_later_key_is_refused_before_any_write():
+    case = C(heads=(8, 2))
+    attn = layer(_SIM, case, weights(np.random.default_rng(0), case))
+    pool, kv = cupaged.BlockPool(8, case.block_size), kv_cache(_SIM, case, 8, num_layers=1)
+    plan = pool.plan([("a", 3)])
+    tree_plan = dataclasses.replace(plan, custom_mask=np.ones(9, bool))
+    before = cache_bytes(kv, _SIM)
+    with pytest.raises(ValueError, match="sees key 1, a later one"):
+        attn.forward(_SIM.asarray(np.ones((3, DIM), F32)), tree_plan, kv, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(cache_bytes(kv, _SIM), before))

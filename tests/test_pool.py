@@ -201,6 +201,57 @@ def test_a_failed_batch_does_not_revive_cached_blocks():
     assert snapshot(pool) == before
 
 
+def test_truncate_gives_back_the_dropped_tokens_blocks():
+    pool = BlockPool(8, 4)
+    pool.append("a", 6)
+    pool.append("a", 5)  # 11 tokens in blocks 0, 1, 2
+    pool.truncate("a", 5)
+    assert pool.seq_len("a") == 5 and pool.block_table("a") == [0, 1] and pool.num_free_blocks == 6
+    assert pool.append("a", 4).tolist() == [5, 6, 7, 8]  # the slots after the kept tokens, block 2 again
+    pool.truncate("a", 9)  # nothing dropped
+    pool.truncate("a", 0)
+    assert pool.seq_len("a") == 0 and pool.block_table("a") == [] and pool.num_free_blocks == 8
+    pool.check()
+
+
+def test_truncate_drops_what_the_dropped_tokens_filled_from_the_prefix_cache():
+    """Rejected draft tokens were never the sequence's: a block they filled is not a prefix hit later, and a block
+    cut back to partly filled leaves the cache (a later append rewrites its tail)."""
+    pool = BlockPool(8, 4, enable_prefix_caching=True)
+    pool.append("a", token_ids=[1, 2, 3, 4, 5, 6])
+    pool.append("a", token_ids=[7, 8, 9, 10])  # fills blocks 1 and 2's first two slots
+    pool.truncate("a", 6)  # within block 1: it was full and cached
+    assert not pool._alloc.is_hashed(pool.block_table("a")[1]) and pool._seqs.tracked[pool._seqs.row("a")] == 0
+    pool.append("b", token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert pool.num_cached_tokens("b") == 4  # block 0 only
+    pool.check()
+    pool.append("c", token_ids=[1, 2, 3, 4, 5])
+    pool.append("c", token_ids=[6, 7])
+    pool.truncate("c", 6)  # inside the partly filled block: the chain goes on
+    pool.append("c", token_ids=[7, 8, 9])
+    pool.free("c")
+    pool.append("d", token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert pool.num_cached_tokens("d") == 8
+    pool.check()
+
+
+def test_truncate_refuses_to_cut_a_shared_block_or_grow():
+    pool = BlockPool(8, 4)
+    pool.append("a", 6)
+    pool.fork("a", "b")
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="inside block 1, which another sequence shares"):
+        pool.truncate("a", 5)
+    with pytest.raises(ValueError, match="num_tokens must be <= 6"):
+        pool.truncate("a", 7)
+    with pytest.raises(KeyError, match="is not a sequence"):
+        pool.truncate("x", 0)
+    assert snapshot(pool) == before
+    pool.truncate("a", 4)  # at a block boundary: the shared block is released by a only
+    assert pool.block_table("a") == [0] and pool.block_table("b") == [0, 1]
+    pool.check()
+
+
 # -- plans --------------------------------------------------------------------------------------
 
 def test_plan_arrays():
@@ -280,6 +331,22 @@ def test_to_device_on_the_sim_returns_guarded_copies():
         got, want = getattr(dev, field), getattr(plan, field)
         assert guarded_buffer(got) is not None and got.dtype == want.dtype and np.array_equal(got, want)
     assert (dev.max_seq_len, dev.max_query_len) == (plan.max_seq_len, plan.max_query_len)
+    assert dev.custom_mask is None and dev.mask_indptr is None
+
+
+def test_to_device_moves_a_tree_mask_too():
+    import dataclasses
+
+    from cupaged import pack_custom_mask, sim
+    from cupaged.sim._memory import guarded_buffer
+
+    pool = BlockPool(16, 4)
+    plan = pool.plan([("a", 5), ("b", 2)])
+    mask = np.concatenate([np.tril(np.ones((5, 5), bool)).ravel(), [True, False, False, True]])  # b: two roots
+    packed, indptr = pack_custom_mask(mask, query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens)
+    dev = dataclasses.replace(plan, custom_mask=packed, mask_indptr=indptr).to_device(sim)
+    for got, want in ((dev.custom_mask, packed), (dev.mask_indptr, indptr)):
+        assert guarded_buffer(got) is not None and got.dtype == want.dtype and np.array_equal(got, want)
 
 
 # -- errors and atomicity ---------------------------------------------------------------------
@@ -561,6 +628,27 @@ class PoolMachine(RuleBasedStateMachine):
             return
         self.pool.free(seq)
         del self.tokens[seq]
+
+    @rule(seq=SEQ_IDS, data=st.data())
+    def truncate(self, seq, data):
+        self.flush()
+        before = snapshot(self.pool)
+        if seq not in self.tokens:
+            with pytest.raises(KeyError):
+                self.pool.truncate(seq, 0)
+            assert snapshot(self.pool) == before
+            return
+        length = len(self.tokens[seq])
+        keep = data.draw(st.integers(0, length + 1))
+        owners = [b for s in self.tokens for b in self.pool.block_table(s)]
+        table = self.pool.block_table(seq)
+        if keep > length or (keep % self.bs and keep < length and owners.count(table[keep // self.bs]) > 1):
+            with pytest.raises(ValueError):
+                self.pool.truncate(seq, keep)
+            assert snapshot(self.pool) == before
+            return
+        self.pool.truncate(seq, keep)
+        del self.tokens[seq][keep:]
 
     @invariant()
     def consistent(self):

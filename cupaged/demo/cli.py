@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     a("--seed", type=_count(0, None), default=0, help="seed of the weights and the requests")
     a("--dtype", choices=tuple(DTYPES), default="float32", help="weights, activations and KV cache")
     a("--family", choices=FAMILIES, default="llama", help="the attention of a model family (cupaged/demo/model.py)")
+    a("--speculative", type=_count(0), default=0, metavar="K",
+      help="speculative decoding: each decoding request drafts K tokens as a tree with the model's first layer, and "
+           "the model verifies them in one step under a tree mask (0: off; llama and qwen2)")
     g = p.add_argument_group("sizes (the defaults take ~12 s on the sim with a warm compile cache)")
     for flag, default, minimum, text in SIZES:
         kind = _count(2, MAX_HEAD_SIZE, even=True) if flag == "head-dim" else _count(minimum)
@@ -89,6 +92,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     """What argparse cannot check flag by flag: ``p.error`` (exit 2) names the flags."""
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.speculative:
+        check_speculative(p, args)
     need, have = memory_needed(args), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         p.error(f"these sizes need about {need / 2**30:.3g} GiB of memory, more than this machine's "
@@ -101,6 +106,20 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"argument --num-blocks: {args.num_blocks} is too few for blocks of {args.block_size} tokens: request "
                 f"{longest.seq_id} ({len(longest.prompt)} prompt tokens, {longest.max_new_tokens} new) needs {least}; "
                 f"give --num-blocks {least} or more")
+
+
+def check_speculative(p: argparse.ArgumentParser, args) -> None:
+    """--speculative drafts with the first layer, so the model needs a second, and verifies under a tree mask, which
+    sliding-window and ALiBi layers do not take (they measure distances by key index; a tree node's index is not its
+    position)."""
+    if args.layers < 2:
+        p.error(f"argument --speculative: the draft model is the first of --layers {args.layers}: give --layers 2 or "
+                "more")
+    config = DecoderConfig(n_layers=args.layers, family=args.family)
+    options = [config.attention_options(i) for i in range(args.layers)]
+    if any(o.get("sliding_window") or o.get("alibi") for o in options):
+        p.error(f"argument --speculative: --family {args.family}'s sliding-window layers take no tree mask (a draft "
+                "node's key index is not its position): use --family llama or qwen2")
 
 
 def _xp(backend):
@@ -175,6 +194,13 @@ def table(engine: Engine, seconds: float, first: float, backend: str) -> str:
             ("peak blocks used", f"{s['peak_blocks']} of {pool.num_blocks} (block size {pool.block_size})"),
             ("preemptions", f"{s['preemptions']} (recomputed)"),
             ("copy-on-write copies", str(s["copies"]))]
+    spec = engine.speculator
+    if spec is not None:
+        rows.append(("speculative decoding", f"{spec.drafted} drafted / {spec.accepted} accepted tokens "
+                                             f"({100 * spec.accepted / max(spec.drafted, 1):.1f}%), "
+                                             f"{spec.accepted / max(spec.verified, 1):.2f} accepted per verify step "
+                                             f"({spec.verified} tree verifications of up to {spec.k} tokens; draft: "
+                                             f"layer 0 of {engine.model.config.n_layers})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}} | {v}" for k, v in rows)
 
@@ -189,7 +215,9 @@ def build(args):
     dtype = DTYPES[args.dtype]
     model = TinyDecoder(config, weights, xp, dtype)
     kv = KVCache(config.n_layers, args.num_blocks, args.block_size, config.n_kv_heads, config.head_dim, dtype, xp=xp)
-    engine = Engine(model, kv, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs)
+    draft = model.first_layers(1) if args.speculative else None
+    engine = Engine(model, kv, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
+                    speculative=args.speculative, draft=draft)
     for r in make_requests(args):
         engine.add(r)
     return engine, weights, config

@@ -7,7 +7,10 @@ are neither budgeted nor computed. The pool plans the whole step at once; when i
 newest running request is preempted -- freed, and queued again to recompute its prompt and what it generated
 (its freed full blocks stay in the prefix cache) -- and the step is planned again. After the step a request that
 has consumed its whole history samples its next token; the parallel-sampling request forks once its prompt is in
-the cache (the child shares its blocks; copy-on-write runs through ``copy_blocks``).
+the cache (the child shares its blocks; copy-on-write runs through ``copy_blocks``). With ``speculative`` K a decoding
+request drafts up to K tokens as a tree and the step verifies them under a tree mask (cupaged/demo/speculative.py);
+its root and draft slots are appended by count (their ids are not known when the step is planned, and the rejected
+ones are given back), so its later blocks do not feed the prefix cache.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from cupaged._backend import host_copy
 from cupaged.cache_gather import copy_blocks
+from cupaged.demo.speculative import Speculator, accept, compact
 from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks
 
 __all__ = ["Request", "Engine", "blocks_needed", "drop_cached"]
@@ -81,10 +85,12 @@ def drop_cached(plan: BatchPlan) -> tuple[BatchPlan, np.ndarray]:
 
 class Engine:
     """Serves :class:`Request` s on ``model`` (a TinyDecoder) with ``kv_cache``'s blocks, ``token_budget`` tokens
-    and ``max_num_seqs`` sequences a step. Counters for the closing table: ``stats``."""
+    and ``max_num_seqs`` sequences a step; ``speculative`` K > 0 drafts up to K tokens a decoding request with
+    ``draft`` (cupaged/demo/speculative.py). Counters for the closing table: ``stats`` (and ``speculator``'s)."""
 
-    def __init__(self, model, kv_cache, *, token_budget: int, max_num_seqs: int):
+    def __init__(self, model, kv_cache, *, token_budget: int, max_num_seqs: int, speculative: int = 0, draft=None):
         self.model, self.kv = model, kv_cache
+        self.speculator = Speculator(draft, speculative) if speculative else None
         self.pool = BlockPool(kv_cache.num_blocks, kv_cache.block_size, enable_prefix_caching=True)
         self.token_budget, self.max_num_seqs = token_budget, max_num_seqs
         self.waiting: list[Request] = []
@@ -108,6 +114,8 @@ class Engine:
         batch, budget = [], self.token_budget
         for r in self.running:
             n = min(len(r.tokens) - r.computed, budget)
+            if n == len(r.tokens) - r.computed == 1 and r.generated and self.speculator:  # the root and its drafts
+                n += min(self.speculator.k, r.max_new_tokens - r.generated - 1, budget - 1)
             if n:
                 batch.append((r, n))
                 budget -= n
@@ -127,8 +135,9 @@ class Engine:
             batch = self._schedule(admit)
             new = [r for r, _ in batch if r not in self.running]
             chunks = [np.asarray(r.tokens[r.computed:r.computed + n], np.int64) for r, n in batch]
-            try:
-                plan = self.pool.plan([(r.seq_id, ids) for (r, _), ids in zip(batch, chunks)])
+            try:  # draft slots by count: their ids come after planning (0 stands in)
+                plan = self.pool.plan([(r.seq_id, ids if ids.size == n else n) for (r, n), ids in zip(batch, chunks)])
+                chunks = [np.pad(ids, (0, n - ids.size)) for (_, n), ids in zip(batch, chunks)]
                 return batch, new, plan, np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
             except OutOfBlocks:
                 if new:
@@ -155,20 +164,28 @@ class Engine:
             self.stats["copies"] += copies.shape[0]
         self.stats["hit_tokens"] += int((plan.slot_mapping < 0).sum())
         plan, keep = drop_cached(plan)
+        token_ids = token_ids[keep]
+        drafting = {i: (r, r.computed + n - len(r.tokens)) for i, (r, n) in enumerate(batch)
+                    if r.computed + n > len(r.tokens)}
+        trees = {}
+        if drafting:
+            plan, trees = self.speculator.draft(drafting, plan, token_ids, self.kv)
         xp = self.model.xp
-        hidden = self.model.forward(xp.asarray(token_ids[keep]), plan, self.kv)
-        ends = np.asarray(plan.query_start_loc[1:]) - 1
+        hidden = self.model.forward(xp.asarray(token_ids), plan, self.kv)
+        qsl = np.asarray(plan.query_start_loc)
         sampling = [i for i, (r, n) in enumerate(batch) if r.computed + n == len(r.tokens)]
-        rows = self.model.logits(hidden[xp.asarray(ends[sampling])]) if sampling else None
-        rows = None if rows is None else host_copy(rows)
+        at = np.concatenate([qsl[1:][sampling] - 1] + [np.arange(qsl[i], qsl[i + 1]) for i in trees]).astype(np.int64)
+        rows = host_copy(self.model.logits(hidden[xp.asarray(at)])) if at.size else None
         self._account(batch, plan)
-        for r, n in batch:
-            r.computed += n
+        for i, (r, n) in enumerate(batch):
+            r.computed += 0 if i in trees else n  # a verified tree's request: once its path is accepted
         generated = 0
         for row, i in zip(rows if rows is not None else (), sampling):
             for r in self._fork(batch[i][0]):
                 self._emit(r, row)
                 generated += 1
+        if trees:
+            generated += self._accept(batch, plan, trees, rows[len(sampling):])
         for r in [r for r in self.running if r.generated >= r.max_new_tokens]:
             self.running.remove(r)
             self.pool.free(r.seq_id)
@@ -187,8 +204,32 @@ class Engine:
         self.stats["forks"] += 1
         return [r, child]
 
-    def _emit(self, r: Request, row: np.ndarray) -> None:
-        token = r.sample(row)
+    def _accept(self, batch, plan, trees: dict, rows: np.ndarray) -> int:
+        """Accept each verified tree's path (``rows``: the target's logits at every tree's root and nodes, in
+        ``trees``' order), move the accepted keys and values to consecutive slots, give the rest back to the pool;
+        returns the tokens emitted."""
+        qsl, spec = np.asarray(plan.query_start_loc), self.speculator
+        src, dst, emitted, start = [], [], 0, 0
+        for i, tree in trees.items():
+            r, k = batch[i][0], len(tree.tokens)
+            path, tokens = accept(r, tree, rows[start:start + 1 + k])
+            start += 1 + k
+            for row, token in tokens:
+                self._emit(r, row, token)
+            for depth, node in enumerate(path, 1):  # node i's slot is the step's token qsl[i] + 1 + node
+                if node + 1 != depth:
+                    src.append(plan.slot_mapping[qsl[i] + 1 + node])
+                    dst.append(plan.slot_mapping[qsl[i] + depth])
+            r.computed = len(r.tokens) - 1
+            self.pool.truncate(r.seq_id, r.computed)
+            spec.accepted += len(path)
+            spec.verified += 1
+            emitted += len(tokens)
+        compact(self.kv, src, dst)
+        return emitted
+
+    def _emit(self, r: Request, row: np.ndarray, token: int | None = None) -> None:
+        token = r.sample(row) if token is None else token
         r.logits.append((len(r.tokens) - 1, row.copy(), token))
         r.tokens.append(token)
         self.stats["generated"] += 1
@@ -200,5 +241,5 @@ class Engine:
         s["max_batch_tokens"] = max(s["max_batch_tokens"], plan.num_tokens)
         s["peak_blocks"] = max(s["peak_blocks"], usage.blocks_in_use)
         s["waste_sum"] += usage.waste
-        decoding = sum(1 for r, n in batch if n == 1 and r.computed == len(r.tokens) - 1 >= len(r.prompt))
+        decoding = sum(1 for r, _ in batch if r.computed == len(r.tokens) - 1 >= len(r.prompt))
         s["mixed_steps"] += int(0 < decoding < len(batch))

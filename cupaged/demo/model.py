@@ -10,6 +10,7 @@ attention whenever every running request holds them (``cascade=True``; windowed 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -109,6 +110,15 @@ class TinyDecoder:
             attn.load_state_dict({k[len(prefix):]: xp.asarray(v) if k.endswith("sinks") else put(v)  # float32 logits
                                   for k, v in weights.items() if k.startswith(prefix)})
             self.layers.append(attn)
+
+    def first_layers(self, n_layers: int) -> TinyDecoder:
+        """The decoder cut after its first ``n_layers`` layers, sharing this one's weights and layer objects
+        (embeddings, those layers, the final norm and the head): a cheaper draft model for speculative decoding,
+        whose keys and values are this decoder's first layers' (it reads and writes the same cache layers)."""
+        draft = copy.copy(self)
+        draft.config = dataclasses.replace(self.config, n_layers=n_layers)
+        draft.layers = self.layers[:n_layers]
+        return draft
 
     def forward(self, token_ids, plan, kv_cache):
         c, w = self.config, self.w

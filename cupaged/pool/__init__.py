@@ -11,8 +11,9 @@ with a common prompt prefix share its blocks.
 
 A step of an engine: ``plan`` (or ``plan_decode``) the batch, run ``take_pending_copies()``
 through ``copy_blocks``, then write the step's keys and values with ``reshape_and_cache*`` at
-``plan.slot_mapping``; fork and free between steps. Every call either succeeds whole or raises
-and changes nothing (``OutOfBlocks`` when the blocks run out: preempt, or wait).
+``plan.slot_mapping``; fork, free and ``truncate`` (speculative decoding's rejected draft tokens)
+between steps. Every call either succeeds whole or raises and changes nothing (``OutOfBlocks``
+when the blocks run out: preempt, or wait).
 
 Per-sequence state is kept in numpy arrays indexed by a row number, so a decode step
 (``plan_decode``) updates only the entries that change and does no per-sequence Python work.

@@ -131,6 +131,13 @@ class BlockAllocator:
             self._cache[key] = block
             self._key[block] = key
 
+    def unregister(self, block: int) -> None:
+        """Take an owned block out of the prefix cache: its owner is about to change what it holds."""
+        key = self._key[block]
+        if key is not None:
+            del self._cache[key]
+            self._key[block] = None
+
     def is_hashed(self, block: int) -> bool:
         return self._key[block] is not None
 

@@ -13,6 +13,7 @@ __all__ = ["BatchPlan", "PinnedStaging", "default_array_module", "shared_prefix_
 
 
 _FIELDS = ("slot_mapping", "positions", "query_start_loc", "seq_lens", "block_tables")  # int64 first
+_MASK_FIELDS = ("custom_mask", "mask_indptr")  # optional: uploaded when set
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -28,8 +29,12 @@ class BatchPlan:
     values is found by; ``block_size`` the pool's (None for a plan made by hand), which a cache
     read with the plan must share; ``shared_prefix_blocks`` how many leading blocks every sequence's table holds
     alike, all of them context before every sequence's new tokens (prefix-cache hits of one prompt, forks): the
-    shared prefix cascade attention reads once (0 for one sequence, none shared, or a plan made by hand). The
-    arrays belong to the caller: no later pool call changes them.
+    shared prefix cascade attention reads once (0 for one sequence, none shared, or a plan made by hand).
+    ``custom_mask`` / ``mask_indptr`` (None: none): a tree mask for the step, as :func:`cupaged.paged_attention`
+    takes it (FlashInfer's: per sequence q_len x seq_len booleans, row-major, concatenated, or those bit-packed
+    by ``cupaged.pack_custom_mask``); speculative decoding sets them on a plan (``dataclasses.replace``) to verify
+    draft trees, whose positions then follow each node's depth rather than its index. The arrays belong to the
+    caller: no later pool call changes them.
     """
 
     query_start_loc: object
@@ -42,6 +47,8 @@ class BatchPlan:
     seq_ids: object = None
     block_size: int | None = None
     shared_prefix_blocks: int = 0
+    custom_mask: object = None
+    mask_indptr: object = None
     _staging: PinnedStaging | None = dataclasses.field(default=None, repr=False)  # the pool's
 
     @property
@@ -59,7 +66,7 @@ class BatchPlan:
         if not is_host_array(self.seq_lens):
             return self
         xp = resolve_array_module(xp)
-        arrays = {f: getattr(self, f) for f in _FIELDS}
+        arrays = {f: getattr(self, f) for f in _FIELDS + _MASK_FIELDS if getattr(self, f) is not None}
         if on_sim(xp):
             arrays = {f: xp.asarray(a) for f, a in arrays.items()}
         else:

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from cupaged._checks import check_bool
+from cupaged._checks import check_bool, check_int
 from cupaged.pool import _append
 from cupaged.pool._allocator import BlockAllocator
 from cupaged.pool._batch_plan import BatchPlan, PinnedStaging, shared_prefix_blocks
@@ -163,6 +163,35 @@ class BlockPool:
         row = s.row(seq_id)
         self._alloc.release(s.tables[row, :s.nblocks[row]][::-1].copy())
         s.free_row(seq_id)
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of ``seq_id`` and drop the rest: speculative decoding gives back
+        the slots of rejected draft tokens. Blocks past the kept tokens are released (tail first). What the dropped
+        tokens held is not trusted: blocks they filled that only this sequence holds leave the prefix cache, and
+        when a full block is cut the sequence stops feeding the prefix cache (the pool keeps no chain hashes of
+        earlier blocks to resume from). A cut inside a block another sequence shares is a ValueError, as is
+        ``num_tokens`` past the sequence's length; either changes nothing."""
+        s, alloc, bs = self._seqs, self._alloc, self.block_size
+        row = s.row(seq_id)
+        length = int(s.lens[row])
+        keep = check_int("num_tokens", num_tokens, 0, length)
+        kept_blocks, have = -(-keep // bs), int(s.nblocks[row])
+        blocks = s.tables[row, :have].astype(np.int64)
+        if keep % bs and keep < length and alloc.ref[blocks[kept_blocks - 1]] > 1:
+            raise ValueError(f"truncate: position {keep} of sequence {seq_id!r} is inside block "
+                             f"{blocks[kept_blocks - 1]}, which another sequence shares")
+        if keep == length:
+            return
+        touched = blocks[kept_blocks - 1 if keep % bs else kept_blocks:]
+        for b in touched[alloc.ref[touched] == 1].tolist():
+            alloc.unregister(b)
+        alloc.release(blocks[kept_blocks:][::-1].copy())
+        s.tables[row, kept_blocks:have] = 0
+        s.nblocks[row], s.lens[row] = kept_blocks, keep
+        s.cached[row] = min(int(s.cached[row]), max(keep - 1, 0))
+        if keep // bs < length // bs:
+            s.tracked[row] = False
+        s.epoch += 1
 
     # -- accounting ---------------------------------------------------------------------------
 

@@ -32,14 +32,20 @@ def dense_kv(key_cache, value_cache, block_table_row, seq_len, *, layout="NHD", 
 
 
 def attention_rows(q, k, v, positions, *, scale, causal=True, sliding_window=None, window_size=None, sink=None,
-                   alibi_slope=None, softcap=None, key_offset=0):
+                   alibi_slope=None, softcap=None, key_offset=0, mask=None):
     """Two-pass softmax attention of query rows q [n, D] at ``positions`` over keys k/v [L, D]
     (key j at position key_offset + j). ``window_size`` (left, right): FlashAttention's window, a query at p
-    sees keys p - left .. p + right, -1 unbounded. Returns (out [n, Dv] float64, lse [n] float64)."""
+    sees keys p - left .. p + right, -1 unbounded. ``mask`` (bool [n, L]): row i sees key j only where
+    mask[i, j], AND-ed with the causal / window masks. Returns (out [n, Dv] float64, lse [n] float64)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     key_pos = key_offset + np.arange(k.shape[0])
     pos = np.asarray(positions)[:, None]
     visible = np.ones((q.shape[0], k.shape[0]), bool)
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != bool or mask.shape != visible.shape:
+            raise ValueError(f"mask must be bool {visible.shape}, got {mask.dtype} {mask.shape}")
+        visible &= mask
     if causal:
         visible &= key_pos[None, :] <= pos
     if sliding_window:
@@ -69,16 +75,59 @@ def attention_rows(q, k, v, positions, *, scale, causal=True, sliding_window=Non
     return out, lse
 
 
+def unpack_custom_mask(custom_mask, mask_indptr, q_lens, kv_lens):
+    """FlashInfer's custom mask as one bool [q_lens[s], kv_lens[s]] array per request. Request s's mask is
+    its q_len x kv_len matrix, row-major flattened, the requests' segments concatenated. ``custom_mask`` is
+    bool (unpacked; mask_indptr [num_seqs + 1] in elements) or uint8 bit-packed little-endian per request
+    (each segment starts on a byte; bit b of byte i of a segment is element 8i + b; mask_indptr in bytes).
+    mask_indptr None: the segments packed back to back (ceil(q_len * kv_len / 8) bytes each when uint8)."""
+    custom_mask = np.asarray(custom_mask).reshape(-1)
+    q_lens = np.asarray(q_lens).astype(np.int64).reshape(-1)
+    kv_lens = np.asarray(kv_lens).astype(np.int64).reshape(-1)
+    if q_lens.shape != kv_lens.shape:
+        raise ValueError(f"q_lens {q_lens.shape} and kv_lens {kv_lens.shape} differ")
+    sizes = q_lens * kv_lens
+    if custom_mask.dtype == bool:
+        packed = False
+        seg = sizes
+    elif custom_mask.dtype == np.uint8:
+        packed = True
+        seg = (sizes + 7) // 8
+    else:
+        raise TypeError(f"custom_mask must be bool or uint8, got {custom_mask.dtype}")
+    if mask_indptr is None:
+        indptr = np.concatenate([[0], np.cumsum(seg)]).astype(np.int64)
+    else:
+        indptr = np.asarray(mask_indptr).astype(np.int64).reshape(-1)
+        if indptr.shape != (len(sizes) + 1,):
+            raise ValueError(f"mask_indptr must have {len(sizes) + 1} entries, got {indptr.shape}")
+    masks = []
+    for s in range(len(sizes)):
+        lo, hi = int(indptr[s]), int(indptr[s + 1])
+        if hi - lo < seg[s] or lo < 0 or hi > custom_mask.size:
+            raise ValueError(f"request {s}: mask segment [{lo}, {hi}) of a {custom_mask.size}-entry custom_mask "
+                             f"cannot hold {sizes[s]} elements")
+        part = custom_mask[lo:hi]
+        bits = np.unpackbits(part, bitorder="little").astype(bool) if packed else part
+        masks.append(bits[:sizes[s]].reshape(q_lens[s], kv_lens[s]).copy())
+    return masks
+
+
 def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
                     causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None, softcap=None,
-                    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD"):
+                    kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD", custom_mask=None,
+                    mask_indptr=None):
     """(out [num_tokens, num_heads, head_size] float64, lse [num_heads, num_tokens] float64): gather
-    each sequence's K/V densely, then attention_rows per head. Positions are bottom-right aligned."""
+    each sequence's K/V densely, then attention_rows per head. Positions are bottom-right aligned.
+    ``custom_mask`` / ``mask_indptr``: FlashInfer's per-request q_len x kv_len mask (see unpack_custom_mask),
+    AND-ed with the causal / window masks."""
     q = np.asarray(q)
     num_tokens, num_heads, head_size = q.shape
     seq_lens = np.asarray(seq_lens).astype(np.int64)
     qsl = np.arange(len(seq_lens) + 1) if query_start_loc is None else np.asarray(query_start_loc).astype(np.int64)
     scale = 1.0 / np.sqrt(head_size) if scale is None else scale
+    masks = (None if custom_mask is None
+             else unpack_custom_mask(custom_mask, mask_indptr, np.diff(qsl)[:len(seq_lens)], seq_lens))
     out = np.zeros((num_tokens, num_heads, head_size))
     lse = np.full((num_heads, num_tokens), -np.inf)
     for s, seq_len in enumerate(seq_lens):
@@ -92,7 +141,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                                   causal=causal, sliding_window=sliding_window, window_size=window_size,
                                   sink=None if sinks is None else np.asarray(sinks)[h],
                                   alibi_slope=None if alibi_slopes is None else np.asarray(alibi_slopes)[h],
-                                  softcap=softcap)
+                                  softcap=softcap, mask=None if masks is None else masks[s])
             out[t0:t1, h], lse[h, t0:t1] = o, l
     return out, lse
 

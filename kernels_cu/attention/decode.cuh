@@ -36,7 +36,7 @@ struct PdSmem {
   static constexpr int VT_PITCH = TILE * int(sizeof(CacheT)) + 16;
   static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);  // K tile then V tile, bytes
   static constexpr int STAGES = 4 * STAGE <= PD_SMEM_FOR_4 ? 4 : 3 * STAGE <= PD_SMEM_FOR_3 ? 3 : 2;
-  static constexpr int MERGE = 4 * PD_ROWS * (HD + 2) * 4;                // per warp: m, l, o of each row
+  static constexpr int MERGE = (4 * PD_ROWS * (HD + 2) + PD_ROWS * (HD + 3)) * 4;  // pd_store's, pd_prior's
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
   static __device__ __forceinline__ int k_at(int j, int c) { return j * PITCH + c * 16; }  // kv_issue's placement
   static __device__ __forceinline__ int v_at(int j, int c) { return (TILE + j) * PITCH + c * 16; }
@@ -77,6 +77,50 @@ __device__ __forceinline__ float2 pd_pair(const PdRow8<CacheT>& r, int e) {
   }
 }
 
+// Cascade (p.prior_splits > 0, one split): a warp a row. Its lanes take a split each of the shared level's partials
+// (every slot written: pa_mark_empty) and find the row's max mn over its own state and those splits; then the warp
+// sums the splits' outputs weighted by l_s e^{m_s - mn} (4 columns a lane, an empty split never read) into `prior`
+// ([ROWS][HD + 3]: that sum, the own state's factor e^{m - mn}, mn, the splits' L), once a row, not a column.
+template <int HD, int ROWS>
+__device__ __forceinline__ void pd_prior(float* prior, const float* wm, const float* wl, const PaRow* rows,
+                                         int nrows, const float* max_logits, const float* exp_sums,
+                                         const void* tmp_output, const PaParams& p) {
+  const int lane = threadIdx.x % 32;
+  for (int r = threadIdx.x / 32; r < nrows; r += PD_THREADS / 32) {
+    float mx = neg_inf(), sum = 0.0f;
+    for (int w = 0; w < 4; ++w) mx = fmaxf(mx, wm[w * ROWS + r]);
+    for (int w = 0; w < 4; ++w)
+      if (wm[w * ROWS + r] != neg_inf()) sum += wl[w * ROWS + r] * expf(wm[w * ROWS + r] - mx);
+    const long long th = (long long)rows[r].token * p.num_heads + rows[r].head;
+    const float l = lane < p.prior_splits ? exp_sums[th * p.prior_splits + lane] : 0.0f;
+    const float m = l > 0.0f ? max_logits[th * p.prior_splits + lane] : neg_inf();
+    float mn = fmaxf(sum > 0.0f ? mx : neg_inf(), m);
+    for (int o = 16; o > 0; o /= 2) mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+    const float share = l > 0.0f ? expf(m - mn) * l : 0.0f;
+    float total = share;
+    for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+    float* pr = prior + r * (HD + 3);
+    for (int c = 0; c < (HD + 127) / 128; ++c) {  // every lane takes every shuffle (HD 64: half the lanes idle)
+      const int d0 = 128 * c + 4 * lane;
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int s = 0; s < p.prior_splits; ++s) {
+        const float w = __shfl_sync(0xffffffffu, share, s);
+        if (w > 0.0f && d0 < p.v_head_size) {
+          const float4 x = pa_load_partial4<float>(tmp_output, (th * p.prior_splits + s) * p.v_head_size + d0, 0);
+          acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+        }
+      }
+      if (d0 < HD) { pr[d0] = acc.x; pr[d0 + 1] = acc.y; pr[d0 + 2] = acc.z; pr[d0 + 3] = acc.w; }
+    }
+    if (lane == 0) {
+      pr[HD] = sum > 0.0f ? expf(mx - mn) : 0.0f;
+      pr[HD + 1] = mn;
+      pr[HD + 2] = total;
+    }
+  }
+  __syncthreads();
+}
+
 // The end of a decode CTA's row tile, once every warp has written its (m, l, o) of each of the ROWS rows to `smem`
 // as [4][ROWS] maxima, [4][ROWS] sums, [4][ROWS][HD] outputs (o with the V scale): merge the warps and write the
 // partials of a split or the finished output and LSE (the layouts every kernel here shares).
@@ -87,8 +131,12 @@ __device__ __forceinline__ void pd_store(const unsigned char* smem, const PaRow*
   const float* wm = reinterpret_cast<const float*>(smem);
   const float* wl = wm + 4 * ROWS;
   const float* wo = wl + 4 * ROWS;
+  float* prior = const_cast<float*>(wo) + 4 * ROWS * HD;  // [ROWS][HD + 3]
   __syncthreads();
-  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
+  if (p.prior_splits && num_splits == 1)
+    pd_prior<HD, ROWS>(prior, wm, wl, rows, nrows, max_logits, exp_sums, tmp_output, p);
+  // vLLM v2 leaves the empty ones unwritten; cascade's shared levels (partials_only) write every one
+  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0 || p.partials_only;
   for (int i = threadIdx.x; i < nrows * HD; i += PD_THREADS) {
     const int r = i / HD, d = i % HD;
     if (d >= p.v_head_size) continue;
@@ -108,7 +156,13 @@ __device__ __forceinline__ void pd_store(const unsigned char* smem, const PaRow*
                           p.partials_in_out_type);
       if (d == 0) { max_logits[th * p.max_splits + split] = mx; exp_sums[th * p.max_splits + split] = sum; }
     }
-    if (num_splits == 1) {  // the whole context was this CTA's: finish the row here
+    if (num_splits == 1 && !p.partials_only) {  // the whole context was this CTA's: finish the row here
+      if (p.prior_splits) {  // cascade: the shared level's partials join the row (pd_prior)
+        const float* pr = prior + r * (HD + 3);
+        acc = acc * pr[HD] + pr[d];
+        sum = sum * pr[HD] + pr[HD + 2];
+        mx = pr[HD + 1];
+      }
       const SoftmaxFinish fin = softmax_finish(mx, sum, row.sink);
       out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] = from_float<T>(acc * fin.scale);
       if (lse && d == 0) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
@@ -164,7 +218,7 @@ template <int KV, int LPR, int VSTRIDE, class T, class CacheT>
 __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT* vrow_ptr, int key, const PaRow* rows,
                                            int nrows, bool all_see, bool biased, const Vec<T, 8> (&qv)[PD_ROWS],
                                            float qscale, float qscale2, float (&o)[PD_ROWS][8], float (&m)[PD_ROWS],
-                                           float (&l)[PD_ROWS], float softcap) {
+                                           float (&l)[PD_ROWS], float softcap, const unsigned char* custom_mask) {
   constexpr int ROWS = PD_ROWS;
   const PdRow8<CacheT> krow = pd_load8(krow_ptr);
   float s[ROWS], alpha[ROWS], w[ROWS];
@@ -183,7 +237,7 @@ __device__ __forceinline__ void pd_consume(const CacheT* krow_ptr, const CacheT*
     for (int off = LPR / 2; off > 0; off >>= 1) s[r] += __shfl_xor_sync(0xffffffffu, s[r], off);
     alpha[r] = 1.0f;
     w[r] = 0.0f;
-    if (r >= nrows || (!all_see && !pa_sees(key, rows[r].lo, rows[r].hi))) continue;
+    if (r >= nrows || (!all_see && !pa_row_sees(rows[r], key, custom_mask))) continue;
     const float x = biased ? pa_logit(s[r], qscale, softcap, rows[r].slope, key, rows[r].pos) : s[r] * qscale2;
     alpha[r] = pa_rescale(m[r], x);
     w[r] = pa_exp2(x - m[r]);  // a key the row sees: x is finite, no -inf to select
@@ -212,6 +266,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
     const int* __restrict__ seq_lens,        // [num_seqs], or cu_seqlens_k [num_seqs + 1] when dense
     const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
     const int* __restrict__ seqused_k,       // dense: [num_seqs] or nullptr
+    const unsigned char* __restrict__ custom_mask,  // bit-packed per-sequence q_len x seq_len masks, or nullptr
+    const int* __restrict__ mask_indptr,            // [num_seqs + 1]: each sequence's first byte of custom_mask
     const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] / [num_kv_heads] or nullptr
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
@@ -224,9 +280,13 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
   typedef KvRows<TILE, sizeof(CacheT)> Rows;
   __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, mask_indptr, p);
   const int group = p.num_heads / p.num_kv_heads;
-  if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // a longer run is paged_prefill_kernel's
+  if (sq.q_len > p.decode_max_q) return;  // a longer run is paged_prefill_kernel's
+  if (split >= sq.splits.count) {
+    pa_mark_empty(sq.q_start, sq.q_len, split, blockIdx.x % p.decode_tiles, kv_head, group, exp_sums, p);
+    return;
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPR, d0 = lane % LPR * 8;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const float qscale2 = qscale * PA_LOG2E;
@@ -259,13 +319,13 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
                    [&](unsigned char* stage, const Rows& tile_rows, KvTile tile) {
       kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
-      const bool all_see = base >= lo_all && base + TILE - 1 <= hi_all;
+      const bool all_see = !custom_mask && base >= lo_all && base + TILE - 1 <= hi_all;
       for (int j = warp * (TILE / 4) + slot; j < (warp + 1) * (TILE / 4); j += SLOTS)
         pd_consume<KV, LPR, VT ? S::VT_PITCH / int(sizeof(CacheT)) : 1>(
             reinterpret_cast<const CacheT*>(stage + j * S::PITCH) + d0,
             reinterpret_cast<const CacheT*>(stage + (VT ? S::vt_at(0, d0) + j * int(sizeof(CacheT))
                                                         : (TILE + j) * S::PITCH + d0 * int(sizeof(CacheT)))),
-            base + j, rows, nrows, all_see, biased, qv, qscale, qscale2, o, m, l, p.softcap);
+            base + j, rows, nrows, all_see, biased, qv, qscale, qscale2, o, m, l, p.softcap, custom_mask);
     });
     pd_finish<HD>(pd_smem, m, l, o, oscale);
     pd_store<T, HD, ROWS>(pd_smem, rows, nrows, split, sq.splits.count, sq.seq_len, out, lse, max_logits, exp_sums,

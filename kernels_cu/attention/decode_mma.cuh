@@ -43,7 +43,7 @@ struct PmSmem {
   static constexpr bool PREFETCH = true;
   static constexpr int STAGE = TILE * PITCH + (VT ? HD * VT_PITCH : TILE * PITCH);
   static constexpr int STAGES = 3 * STAGE <= PM_SMEM_FOR_3 ? 3 : 2;
-  static constexpr int MERGE = 4 * PM_ROWS * (HD + 2) * 4;
+  static constexpr int MERGE = (4 * PM_ROWS * (HD + 2) + PM_ROWS * (HD + 3)) * 4;  // pd_store's, pd_prior's
   static constexpr int BYTES = STAGES * STAGE > MERGE ? STAGES * STAGE : MERGE;
   static __device__ __forceinline__ int k_at(int j, int c) { return j * PITCH + c * 16; }  // kv_issue's placement
   static __device__ __forceinline__ int v_at(int j, int c) { return (TILE + j) * PITCH + c * 16; }
@@ -167,13 +167,14 @@ __device__ __forceinline__ void pm_values(float (&o)[HD / 16][4], const unsigned
 // that need it (`masked`), then the online-softmax step over the warp's 16 keys: the scores become P (0 where
 // masked: selection), (m, l) move on (l over this lane's keys) and the factor that rescales o is returned.
 __device__ __forceinline__ float pm_softmax(float (&s)[4], int e, float& m, float& l, const PaRow& row, int key0,
-                                            bool masked, bool biased, float qscale, float qscale2, float softcap) {
+                                            bool masked, bool biased, float qscale, float qscale2, float softcap,
+                                            const unsigned char* custom_mask) {
   float x[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int key = key0 + 8 * h;
     x[h] = biased ? pa_logit(s[2 * h + e], qscale, softcap, row.slope, key, row.pos) : s[2 * h + e];
-    if (masked && !pa_sees(key, row.lo, row.hi)) x[h] = neg_inf();  // masking by selection
+    if (masked && !pa_row_sees(row, key, custom_mask)) x[h] = neg_inf();  // masking by selection
   }
   float mx = fmaxf(x[0], x[1]);
 #pragma unroll
@@ -222,7 +223,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // as paged_decode_kernel's
     const typename CacheType<KV, T>::type* __restrict__ value_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const int* __restrict__ seqused_k, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
+    const int* __restrict__ seqused_k, const unsigned char* __restrict__ custom_mask,
+    const int* __restrict__ mask_indptr, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {
@@ -237,9 +239,13 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
   __shared__ __align__(8) float pt[4][160];  // each warp's P^T (pm_at)
   __shared__ __align__(16) T qs[PM_ROWS][HD + 8];  // the tile's q rows (+8: ldmatrix conflict-free)
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.decode_tiles;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, mask_indptr, p);
   const int group = p.num_heads / p.num_kv_heads;
-  if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;
+  if (sq.q_len > p.decode_max_q) return;
+  if (split >= sq.splits.count) {
+    pa_mark_empty(sq.q_start, sq.q_len, split, blockIdx.x % p.decode_tiles, kv_head, group, exp_sums, p);
+    return;
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const float qscale2 = qscale * PA_LOG2E;
@@ -273,11 +279,13 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
       if (key0 > hi) return;  // the warp's keys are all past the last (warp-uniform)
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // S^T: keys key0 + g (+ 8), rows 2t, 2t + 1
       pm_scores<T, KV, HD, S::PITCH>(s, stage + 16 * warp * S::PITCH, &qs[0][0], lane);
-      const bool masked = key0 < lo_all || key0 + 15 > hi_all;  // a window's edge, the last tile, rows past nrows
+      // a custom mask, a window's edge, the last tile, rows past nrows
+      const bool masked = custom_mask || key0 < lo_all || key0 + 15 > hi_all;
       float alpha[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e)  // row 2t + e
-        alpha[e] = pm_softmax(s, e, m[e], l[e], rows[2 * t + e], key0 + g, masked, biased, qscale, qscale2, p.softcap);
+        alpha[e] = pm_softmax(s, e, m[e], l[e], rows[2 * t + e], key0 + g, masked, biased, qscale, qscale2, p.softcap,
+                              custom_mask);
       if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // once the maxima settle: no rescale
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {

@@ -29,6 +29,7 @@ struct PaRow {
   int token, head, lo, hi;  // keys lo..hi (inclusive) are visible within this split
   float slope, sink;
   int pos;                  // the query's position (the ALiBi distance)
+  int mask_bit;             // custom masks: the bit of key 0 in this row of its sequence's mask
 };
 
 // The keys 0 .. seq_len - 1 a query at position pos sees: pos - window_left .. pos + window_right, each side
@@ -47,12 +48,13 @@ __device__ __forceinline__ PaRange pa_visible(int pos, int seq_len, const PaPara
 // keys lo..hi within this split (lo > hi: none, as for rows past nrows), its ALiBi slope and its sink.
 __device__ __forceinline__ PaRow pa_row(int r, int row0, int nrows, int group, int kv_head, const PaSeq& sq,
                                         const float* sinks, const float* alibi_slopes, const PaParams& p) {
-  PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0};
+  PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0, 0};
   if (r < nrows) {
     const int i = (row0 + r) / group;
     row.pos = sq.seq_len - sq.q_len + i;
     row.token = sq.q_start + i;
     row.head = kv_head * group + (row0 + r) % group;
+    row.mask_bit = sq.mask0 + i * sq.seq_len;  // row i of the sequence's q_len x seq_len mask
     const PaRange vis = pa_visible(row.pos, sq.seq_len, p);
     row.lo = max(vis.lo, sq.split_lo);
     row.hi = min(vis.hi, sq.split_hi);
@@ -112,6 +114,16 @@ __device__ __forceinline__ float pa_logit(float qk, float qscale, float softcap,
 // Whether a row whose visible keys are lo..hi (pa_row: its window and causal bound within its split) sees `key`;
 // a key it does not see is selected out, never weighted by 0.
 __device__ __forceinline__ bool pa_sees(int key, int lo, int hi) { return key >= lo && key <= hi; }
+
+// And with a custom mask (FlashInfer's: per sequence a q_len x seq_len bit matrix, row-major, packed little-endian by
+// 8 from the sequence's byte mask_indptr[seq]; nullptr: none), whether the row's mask keeps `key`. The mask byte is
+// read only for a key the row's range admits, so a row past nrows (an empty range) reads none.
+__device__ __forceinline__ bool pa_row_sees(const PaRow& row, int key, const unsigned char* custom_mask) {
+  if (!pa_sees(key, row.lo, row.hi)) return false;
+  if (!custom_mask) return true;
+  const int bit = row.mask_bit + key;
+  return custom_mask[bit >> 3] >> (bit & 7) & 1;
+}
 
 // The online-softmax rescale (base 2): a row's running max m meets logits whose max is mx; m moves on to
 // max(m, mx) and the returned factor rescales the row's sum and output so far (0 while the row has seen no key).

@@ -19,9 +19,10 @@ namespace cupaged {
 
 constexpr int PA_MERGE_COLS = 128;  // the reduce kernel's output columns a warp: 4 a lane
 constexpr int PA_MERGE_LOADS = 8;   // splits a lane loads back to back: 128 bytes in flight
+constexpr int PA_MERGE_CTAS = 5;    // CTAs an SM the registers allow: ptxas's budget (its own choice spilled 4-20 B)
 
 template <class T>
-__global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
+__global__ void __launch_bounds__(PA_THREADS, PA_MERGE_CTAS) paged_attention_reduce_kernel(
     T* __restrict__ out,                     // [num_tokens, num_heads, v_head_size]
     float* __restrict__ lse,                 // [num_heads, num_tokens] or nullptr
     const float* __restrict__ max_logits,    // [num_tokens, num_heads, max_splits]
@@ -32,7 +33,8 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     const int* __restrict__ query_start_loc, // [num_seqs + 1] or nullptr
     const int* __restrict__ seqused_k,       // dense: [num_seqs] or nullptr
     const float* __restrict__ sinks,         // [num_heads] or nullptr
-    PaParams p, int num_seqs) {
+    const float* __restrict__ prior_lse,     // [num_heads, num_tokens]: a prior state whose output is out (cascade),
+    PaParams p, int num_seqs) {              // merged as one more split; or nullptr
   const int token = blockIdx.x, lane = threadIdx.x % 32;
   const int chunks = (p.v_head_size + PA_MERGE_COLS - 1) / PA_MERGE_COLS;
   const int item = blockIdx.y * (PA_THREADS / 32) + threadIdx.x / 32;  // the warp's (head, column chunk)
@@ -48,12 +50,15 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     seq = lo;
     if (token >= query_start_loc[num_seqs]) return;
   }
-  const int num_splits = pa_keys(seq, dense, seq_lens, seqused_k, p).splits.count;
-  if (num_splits <= 1) return;  // finished by the main kernel
+  const PaKeys keys = pa_keys(seq, dense, seq_lens, seqused_k, p);
+  const int num_splits = keys.seq_len > 0 || !prior_lse ? keys.splits.count : 0;  // no keys: no partials written
+  if (num_splits <= 1 && !prior_lse) return;  // finished by the main kernel
   const long long th = (long long)token * p.num_heads + head;
   const float* m = max_logits + th * p.max_splits;
   const float* l = exp_sums + th * p.max_splits;
-  const SoftmaxMerge mg = softmax_merge(m, l, num_splits, sinks ? sinks[head] : neg_inf(), lane);
+  const float sink = sinks ? sinks[head] : neg_inf();
+  const float prior = prior_lse ? lse_state(prior_lse[(long long)head * p.num_tokens + token]) : neg_inf();
+  const SoftmaxMerge mg = softmax_merge(m, l, num_splits, sink, prior, lane);
   const float inv = softmax_inverse(mg.total);
   if (lse && lane == 0 && item % chunks == 0) lse[(long long)head * p.num_tokens + token] = mg.lse;
   // v_head_size is a multiple of 8: a lane's 4 columns are all in or out.
@@ -83,8 +88,12 @@ __global__ void __launch_bounds__(PA_THREADS) paged_attention_reduce_kernel(
     }
   }
   T* o = out + token * p.out_token_stride + head * p.out_head_stride + d0;
-  if (live)
-    for (int k = 0; k < 4; ++k) o[k] = from_float<T>(acc[k] * inv);
+  if (!live) return;
+  if (prior_lse) {  // the prior state's output, this lane's columns of out: read (its LSE again) before written
+    const float w = softmax_weight(lse_state(prior_lse[(long long)head * p.num_tokens + token]), mg.mx);
+    for (int k = 0; k < 4; ++k) acc[k] += w > 0.0f ? w * to_float(o[k]) : 0.0f;
+  }
+  for (int k = 0; k < 4; ++k) o[k] = from_float<T>(acc[k] * inv);
 }
 
 }  // namespace cupaged

@@ -233,6 +233,7 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
     const int* __restrict__ seq_lens,        // [num_seqs]
     const int* __restrict__ query_start_loc, // [num_seqs + 1], or nullptr: one query per sequence
     const int* __restrict__ seqused_k,       // dense: [num_seqs] or nullptr
+    const unsigned char* __restrict__ custom_mask, const int* __restrict__ mask_indptr,  // nullptr: MLA takes none
     const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,  // [num_heads] or nullptr
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,     // [1] or nullptr
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
@@ -245,7 +246,7 @@ __global__ void __launch_bounds__(128 * MT, SM_REGISTERS / (128 * MT * MD_REGIST
   __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   const int seq = blockIdx.z, split = blockIdx.x / p.decode_tiles, tile = blockIdx.x % p.decode_tiles;
   const int head_tiles = (p.num_heads + S::ROWS - 1) / S::ROWS, head0 = tile % head_tiles * S::ROWS;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, nullptr, p);
   if (sq.q_len > p.decode_max_q || split >= sq.splits.count) return;  // another kernel's
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float qscale = p.scale * (KV == KV_AUTO ? 1.0f : read_scale(k_scale, p.k_scale_value, 0, 0));

@@ -13,6 +13,7 @@ constexpr int PA_THREADS = 128;  // 4 warps
 constexpr int PD_THREADS = 128;  // the decode and prefill CTAs: 4 warps; a warp consumes its own slice of each stage
 constexpr int PD_TILE = 32;      // keys per pipeline stage of paged_decode_kernel (16 for float32 head 256) and MLA's
 constexpr int PD_MAX_Q = 16;     // the longest query run the decode kernels take
+constexpr int PA_PRIOR_SPLITS = 32;  // a shared level's splits a decode kernel folds in at most (a lane each)
 // Occupancy budgets, read by the host's plan (cupaged/_attention_kernels.py) through cupaged/_mirror.py.
 constexpr int SM_REGISTERS = 65536;  // 32-bit registers of an SM (sm_80, sm_90)
 constexpr int PD_REGISTERS = 128;    // a thread's registers in paged_decode_kernel: 4 CTAs of PD_THREADS an SM
@@ -34,6 +35,10 @@ struct PaParams {
   long long table_stride;
   float scale, softcap, k_scale_value, v_scale_value;
   int scale_per_head, always_partials, partials_in_out_type;
+  int partials_only;  // cascade's shared levels: every split slot of every row gets partials (an idle split, or a
+                      // sequence without keys: exp_sum 0, empty), never out / LSE; a merge or a later launch finishes
+  int prior_splits;   // cascade, the own level's decode: max_logits / exp_sums / tmp_output hold a shared level's
+                      // partials, prior_splits slots a row, folded into each row's finish (0: none)
   int window_left, window_right;  // a query at position pos sees keys pos - window_left .. pos + window_right (-1: no
                                   // bound; causal: window_right 0; sliding_window W: window_left W - 1)
   int num_tokens, num_heads, num_kv_heads, head_size, v_head_size, block_size, kv_split_size, max_splits;
@@ -44,6 +49,17 @@ struct PaParams {
   int decode_max_q;  // sequences with q_len <= decode_max_q are the decode kernel's, the rest paged_prefill_kernel's
   int block_shift;   // log2(block_size) when it is a power of two (shifts, not a division per copy), else -1
 };
+
+// partials_only: a CTA whose split is past its sequence's last marks that split empty (exp_sum 0) in each of the
+// sequence's rows, so a reader of every slot (pa_fold_prior) skips it; the CTA of row tile 0 marks them all.
+__device__ __forceinline__ void pa_mark_empty(int q_start, int q_len, int split, int tile, int kv_head, int group,
+                                              float* exp_sums, const PaParams& p) {
+  if (!p.partials_only || tile != 0) return;
+  for (int r = threadIdx.x; r < q_len * group; r += blockDim.x) {
+    const long long th = (long long)(q_start + r / group) * p.num_heads + kv_head * group + r % group;
+    exp_sums[th * p.max_splits + split] = 0.0f;
+  }
+}
 
 // Split partial outputs are float32, so the merge sees them unrounded; vLLM v2's tmp_output has the
 // output's type (p.partials_in_out_type), as vLLM's does.
@@ -104,10 +120,12 @@ struct PaSeq {
   int seq_len, q_start, q_len;
   PaSplits splits;
   int split_lo, split_hi;
+  int mask0;  // the first bit of the sequence's custom mask (mask_indptr[seq] bytes in), 0 without one
 };
 
 __device__ __forceinline__ PaSeq pa_seq(int seq, int split, const int* block_tables, const int* seq_lens,
-                                        const int* query_start_loc, const int* seqused_k, const PaParams& p) {
+                                        const int* query_start_loc, const int* seqused_k, const int* mask_indptr,
+                                        const PaParams& p) {
   PaSeq s;
   const bool dense = block_tables == nullptr;
   s.key_row0 = dense ? seq_lens[seq] : 0;
@@ -118,6 +136,7 @@ __device__ __forceinline__ PaSeq pa_seq(int seq, int split, const int* block_tab
   s.splits = keys.splits;
   s.split_lo = split * s.splits.size;
   s.split_hi = min(s.seq_len, s.split_lo + s.splits.size) - 1;
+  s.mask0 = mask_indptr ? mask_indptr[seq] * 8 : 0;  // int: the wrapper caps a packed mask at 2^28 bytes
   return s;
 }
 

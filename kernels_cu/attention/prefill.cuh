@@ -133,7 +133,8 @@ __device__ __forceinline__ void pf_scores(float (&s)[MW][TILE / 8][4], const uns
 // nothing on tiles and launches that need none.
 template <int NT>
 __device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, float& l, const PaRow& row, int key0,
-                                            bool masked, bool biased, float qscale, float qscale2, float softcap) {
+                                            bool masked, bool biased, float qscale, float qscale2, float softcap,
+                                            const unsigned char* custom_mask) {
   if (biased) {
 #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -147,7 +148,7 @@ __device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, 
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        if (!pa_sees(key0 + 8 * n + h, row.lo, row.hi)) s[n][2 * e + h] = neg_inf();
+        if (!pa_row_sees(row, key0 + 8 * n + h, custom_mask)) s[n][2 * e + h] = neg_inf();
   }
   float mx = neg_inf();
 #pragma unroll
@@ -207,7 +208,9 @@ __device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const
                                          int seq_len, float oscale, T* out, float* lse, float* max_logits,
                                          float* exp_sums, void* tmp_output, const PaParams& p) {
   const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0;  // vLLM v2 leaves empty ones unwritten
+  // vLLM v2 leaves the empty ones unwritten; cascade's shared levels (partials_only) write every one
+  const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0 || p.partials_only;
+  const bool finish = num_splits == 1 && !p.partials_only;  // the whole context was this CTA's
 #pragma unroll
   for (int mi = 0; mi < MW; ++mi)
 #pragma unroll
@@ -236,14 +239,14 @@ __device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const
           if (partial)
             pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, x * fp,
                                 p.partials_in_out_type);
-          if (num_splits == 1) out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] =
+          if (finish) out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] =
                                    from_float<T>(x * fo);
         }
       if (t == 0 && partial) {
         max_logits[th * p.max_splits + split] = mn;
         exp_sums[th * p.max_splits + split] = lv;
       }
-      if (t == 0 && num_splits == 1 && lse) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
+      if (t == 0 && finish && lse) lse[(long long)row.head * p.num_tokens + row.token] = fin.lse;
     }
 }
 
@@ -279,7 +282,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
     const typename CacheType<KV, T>::type* __restrict__ key_cache,    // flash NHD / HND, or dense rows
     const typename CacheType<KV, T>::type* __restrict__ value_cache,  // (v_dim_stride == 1, rows 16-byte aligned)
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const int* __restrict__ seqused_k, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
+    const int* __restrict__ seqused_k, const unsigned char* __restrict__ custom_mask,
+    const int* __restrict__ mask_indptr, const float* __restrict__ sinks, const float* __restrict__ alibi_slopes,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     T* __restrict__ out, float* __restrict__ lse, float* __restrict__ max_logits, float* __restrict__ exp_sums,
     void* __restrict__ tmp_output, PaParams p) {  // as paged_decode_kernel's
@@ -291,9 +295,13 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
   typedef KvRows<TILE, sizeof(CacheT)> Rows;
   __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
-  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, p);
+  const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, mask_indptr, p);
   const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
-  if (sq.q_len <= p.decode_max_q || split >= sq.splits.count) return;  // a decode kernel's, or idle
+  if (sq.q_len <= p.decode_max_q) return;  // a decode kernel's
+  if (split >= sq.splits.count) {  // idle
+    pa_mark_empty(sq.q_start, sq.q_len, split, blockIdx.x % p.tiles, kv_head, group, exp_sums, p);
+    return;
+  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const float qscale2 = qscale * PA_LOG2E;
@@ -334,15 +342,16 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
 #pragma unroll
         for (int n = 0; n < TILE / 8; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.0f;
       pf_scores<T, HD, TILE, MW>(s, pf_smem + S::Q, kt, warp, lane);
-      const bool masked = base < all_lo || base + TILE - 1 > all_hi;  // the diagonal, window edges, the last tile
+      // a custom mask, the diagonal, window edges, the last tile
+      const bool masked = custom_mask || base < all_lo || base + TILE - 1 > all_hi;
       const int key0 = base + 2 * (lane & 3);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi) {
         const PaRow* wr = rows + 16 * (MW * warp + mi) + g;
         const float a0 = pf_softmax(s[mi], 0, m[mi][0], l[mi][0], wr[0], key0, masked, biased, qscale, qscale2,
-                                    p.softcap);
+                                    p.softcap, custom_mask);
         const float a1 = pf_softmax(s[mi], 1, m[mi][1], l[mi][1], wr[8], key0, masked, biased, qscale, qscale2,
-                                    p.softcap);
+                                    p.softcap, custom_mask);
         if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f))  // once a row's max settles, o needs no rescale
 #pragma unroll
           for (int n = 0; n < VHD / 8; ++n) {
