@@ -15,7 +15,7 @@ import numpy as np
 
 from cupaged._backend import host_copy, is_host_array, module_of
 from cupaged._cache_args import check_index
-from cupaged._checks import check_dtype, check_ndim
+from cupaged._checks import address, check_dtype, check_ndim
 
 __all__ = ["pack_custom_mask", "check_custom_mask", "packed_custom_mask", "content_checked", "validate_custom_mask"]
 
@@ -96,8 +96,8 @@ def packed_custom_mask(custom_mask, mask_indptr, query_start_loc, seq_lens):
     if custom_mask.shape[0] > MAX_MASK_BYTES:
         raise ValueError(f"custom_mask packs to {custom_mask.shape[0]} bytes; at most {MAX_MASK_BYTES} (2^28) are "
                          f"taken")
-    if custom_mask.strides[0] != 1:
-        custom_mask = module_of(custom_mask).ascontiguousarray(custom_mask)
+    if custom_mask.strides[0] != 1 or address(custom_mask) % 4:  # the kernels read whole 32-bit words of it
+        custom_mask = custom_mask.copy()
     return custom_mask, mask_indptr
 
 

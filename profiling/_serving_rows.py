@@ -12,6 +12,7 @@ import _model
 
 import cupaged
 from cupaged._cost import Cost, attention_cost
+from cupaged.demo.speculative import DraftTree, tree_mask
 from cupaged.sim.model import H200
 from cupaged.testing import paged_kv
 
@@ -49,22 +50,10 @@ def cascade_decode() -> dict:
     return r
 
 
-def tree_parents(nodes=TREE_NODES, fanout=TREE_FANOUT) -> np.ndarray:
-    """A complete ``fanout``-ary draft tree in breadth-first order (node 0 the root: the last accepted token)."""
-    return np.array([-1] + [(i - 1) // fanout for i in range(1, nodes)])
-
-
-def tree_mask(parents, context: int) -> np.ndarray:
-    """[nodes, context + nodes]: node i sees the context, its ancestors and itself."""
-    n = len(parents)
-    mask = np.zeros((n, context + n), bool)
-    mask[:, :context] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, context + j] = True
-            j = parents[j]
-    return mask
+def draft_tree(nodes=TREE_NODES, fanout=TREE_FANOUT) -> DraftTree:
+    """A complete ``fanout``-ary draft tree below the root (the last accepted token) in breadth-first order: with
+    the root, ``nodes`` queries."""
+    return DraftTree(tokens=[0] * (nodes - 1), parents=[(i - 1) // fanout - 1 for i in range(1, nodes)])
 
 
 def tree_verify() -> dict:
@@ -76,7 +65,7 @@ def tree_verify() -> dict:
                   dtype=np.float16, rng=rng)
     q = rng.standard_normal((TREE_SUBSET * TREE_NODES, HEADS, HEAD), np.float32).astype(np.float16)
     qsl = (np.arange(TREE_SUBSET + 1) * TREE_NODES).astype(np.int32)
-    mask = np.tile(tree_mask(tree_parents(), context).ravel(), TREE_SUBSET)
+    mask = np.tile(tree_mask(draft_tree(), context).ravel(), TREE_SUBSET)
     packed, indptr = cupaged.pack_custom_mask(mask, query_start_loc=qsl, seq_lens=kv.seq_lens)
     split = _production_split()
 
@@ -85,20 +74,18 @@ def tree_verify() -> dict:
                                 custom_mask=packed, mask_indptr=indptr, max_query_len=TREE_NODES,
                                 max_seq_len=SHARED, kv_split_size=split)
 
-    seen = int(tree_mask(tree_parents(), context).sum())
+    seen = int(tree_mask(draft_tree(), context).sum())
     base = attention_cost(np.full(REQUESTS, SHARED), np.full(REQUESTS, TREE_NODES), num_heads=HEADS,
                           num_kv_heads=KV_HEADS, head_size=HEAD, v_head_size=HEAD, kv_itemsize=2, q_itemsize=2,
                           out_itemsize=2, block_size=BLOCK, causal=True)
     cost = Cost(base.min_bytes + REQUESTS * packed.nbytes // TREE_SUBSET, 4 * REQUESTS * HEADS * seen * HEAD)
-    return _model.project(_shape("tree_verify", REQUESTS, SHARED, TREE_NODES, tree_depth=int(_depth())), run, cost,
+    return _model.project(_shape("tree_verify", REQUESTS, SHARED, TREE_NODES, tree_depth=_depth()), run, cost,
                           REQUESTS // TREE_SUBSET, (1, KV_HEADS, 1))
 
 
 def _depth() -> int:
-    parents, depth = tree_parents(), [0]
-    for i in range(1, len(parents)):
-        depth.append(depth[parents[i]] + 1)
-    return max(depth)
+    tree = draft_tree()
+    return max(tree.depth(i) for i in range(len(tree.tokens)))
 
 
 def _production_split() -> int:

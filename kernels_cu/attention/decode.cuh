@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
     int lo_all = 0, hi_all = 0x7fffffff;      // their intersection: keys every row sees
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const PaRow row = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+      PaRow row = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
       if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
       if (r < nrows) { lo_all = max(lo_all, row.lo); hi_all = min(hi_all, row.hi); }
 #pragma unroll
@@ -312,14 +312,15 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PD_RE
       }
       m[r] = neg_inf();
       l[r] = 0.0f;
-      if (threadIdx.x == 0) rows[r] = row;
+      pa_keep_row(rows, r, row, custom_mask, sq.seq_len);
     }
+    hi_all = pa_unmasked_hi(rows, nrows, hi_all, custom_mask);  // tiles past a mask's first drop test it
     const int first = VT ? lo & -(16 / int(sizeof(CacheT))) : lo;  // V^T: tiles start at whole 16-byte runs
     kv_pipeline<S>(pd_smem, kv_rows, table, sq.key_row0, first, hi, p,
                    [&](unsigned char* stage, const Rows& tile_rows, KvTile tile) {
       kv_issue<CacheT, S>(stage, key_cache, value_cache, tile_rows, tile, kv_head, p);
     }, [&](const unsigned char* stage, int base) {
-      const bool all_see = !custom_mask && base >= lo_all && base + TILE - 1 <= hi_all;
+      const bool all_see = base >= lo_all && base + TILE - 1 <= hi_all;
       for (int j = warp * (TILE / 4) + slot; j < (warp + 1) * (TILE / 4); j += SLOTS)
         pd_consume<KV, LPR, VT ? S::VT_PITCH / int(sizeof(CacheT)) : 1>(
             reinterpret_cast<const CacheT*>(stage + j * S::PITCH) + d0,

@@ -256,11 +256,12 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
     int lo = 0x7fffffff, hi = -1;         // the union of the rows' visible keys: the only ones loaded
     int lo_all = 0, hi_all = 0x7fffffff;  // their intersection: keys every row sees
     for (int r = 0; r < ROWS; ++r) {
-      const PaRow row = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+      PaRow row = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
       if (row.lo <= row.hi) { lo = min(lo, row.lo); hi = max(hi, row.hi); }
       if (r < nrows) { lo_all = max(lo_all, row.lo); hi_all = min(hi_all, row.hi); }
-      if (threadIdx.x == 0) rows[r] = row;
+      pa_keep_row(rows, r, row, custom_mask, sq.seq_len);
     }
+    hi_all = pa_unmasked_hi(rows, nrows, hi_all, custom_mask);  // tiles past a mask's first drop test it
     for (int i = threadIdx.x; i < ROWS * HD; i += PD_THREADS) {  // the q tile (kv_pipeline's barrier publishes it)
       const int r = i / HD, k = i % HD, d = pm_qdim<KV>(k), rr = row0 + r;
       const T* qrow =
@@ -279,8 +280,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PM_RE
       if (key0 > hi) return;  // the warp's keys are all past the last (warp-uniform)
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // S^T: keys key0 + g (+ 8), rows 2t, 2t + 1
       pm_scores<T, KV, HD, S::PITCH>(s, stage + 16 * warp * S::PITCH, &qs[0][0], lane);
-      // a custom mask, a window's edge, the last tile, rows past nrows
-      const bool masked = custom_mask || key0 < lo_all || key0 + 15 > hi_all;
+      // a window's edge, a custom mask's drops, the last tile, rows past nrows
+      const bool masked = key0 < lo_all || key0 + 15 > hi_all;
       float alpha[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e)  // row 2t + e

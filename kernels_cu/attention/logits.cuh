@@ -30,6 +30,7 @@ struct PaRow {
   float slope, sink;
   int pos;                  // the query's position (the ALiBi distance)
   int mask_bit;             // custom masks: the bit of key 0 in this row of its sequence's mask
+  int full;                 // keys 0 .. full - 1 all pass the row's custom mask (pa_mask_full; seq_len without one)
 };
 
 // The keys 0 .. seq_len - 1 a query at position pos sees: pos - window_left .. pos + window_right, each side
@@ -48,7 +49,7 @@ __device__ __forceinline__ PaRange pa_visible(int pos, int seq_len, const PaPara
 // keys lo..hi within this split (lo > hi: none, as for rows past nrows), its ALiBi slope and its sink.
 __device__ __forceinline__ PaRow pa_row(int r, int row0, int nrows, int group, int kv_head, const PaSeq& sq,
                                         const float* sinks, const float* alibi_slopes, const PaParams& p) {
-  PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0, 0};
+  PaRow row{0, 0, 0, -1, 0.0f, neg_inf(), 0, 0, sq.seq_len};
   if (r < nrows) {
     const int i = (row0 + r) / group;
     row.pos = sq.seq_len - sq.q_len + i;
@@ -118,11 +119,46 @@ __device__ __forceinline__ bool pa_sees(int key, int lo, int hi) { return key >=
 // And with a custom mask (FlashInfer's: per sequence a q_len x seq_len bit matrix, row-major, packed little-endian by
 // 8 from the sequence's byte mask_indptr[seq]; nullptr: none), whether the row's mask keeps `key`. The mask byte is
 // read only for a key the row's range admits, so a row past nrows (an empty range) reads none.
-__device__ __forceinline__ bool pa_row_sees(const PaRow& row, int key, const unsigned char* custom_mask) {
-  if (!pa_sees(key, row.lo, row.hi)) return false;
-  if (!custom_mask) return true;
-  const int bit = row.mask_bit + key;
+__device__ __forceinline__ bool pa_mask_bit(const unsigned char* custom_mask, int bit) {
   return custom_mask[bit >> 3] >> (bit & 7) & 1;
+}
+
+__device__ __forceinline__ bool pa_row_sees(const PaRow& row, int key, const unsigned char* custom_mask) {
+  return pa_sees(key, row.lo, row.hi) && (!custom_mask || pa_mask_bit(custom_mask, row.mask_bit + key));
+}
+
+// The first of the row's visible keys its custom mask drops (seq_len when it drops none, or without a mask): a tile
+// before it needs no mask test. A tree's every node sees the whole context, so only the tiles of its own nodes are
+// tested. A scan of whole 32-bit words (the wrapper aligns the mask to 4 bytes), once a row and a row tile.
+__device__ __forceinline__ int pa_mask_full(const unsigned char* custom_mask, const PaRow& row, int seq_len) {
+  if (!custom_mask || row.lo > row.hi) return seq_len;
+  const int n = row.hi + 1;
+  int j = 0;
+  for (; j < n && (row.mask_bit + j) % 32; ++j)
+    if (!pa_mask_bit(custom_mask, row.mask_bit + j)) return j;
+  const unsigned* words = reinterpret_cast<const unsigned*>(custom_mask);
+  while (j + 32 <= n && words[(row.mask_bit + j) / 32] == 0xffffffffu) j += 32;
+  for (; j < n; ++j)
+    if (!pa_mask_bit(custom_mask, row.mask_bit + j)) return j;
+  return seq_len;
+}
+
+// A decode kernel's row r, kept in shared memory by thread r with its mask's full prefix (pa_mask_full), and the
+// keys every row of the tile sees (hi_all): with a custom mask, none past a row's first drop (a barrier publishes
+// the rows first: uniform, every thread or none).
+__device__ __forceinline__ void pa_keep_row(PaRow* rows, int r, PaRow row, const unsigned char* custom_mask,
+                                            int seq_len) {
+  if (threadIdx.x != r) return;
+  row.full = pa_mask_full(custom_mask, row, seq_len);
+  rows[r] = row;
+}
+
+__device__ __forceinline__ int pa_unmasked_hi(const PaRow* rows, int nrows, int hi_all,
+                                              const unsigned char* custom_mask) {
+  if (!custom_mask) return hi_all;
+  __syncthreads();
+  for (int r = 0; r < nrows; ++r) hi_all = min(hi_all, rows[r].full - 1);
+  return hi_all;
 }
 
 // The online-softmax rescale (base 2): a row's running max m meets logits whose max is mx; m moves on to

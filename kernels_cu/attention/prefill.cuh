@@ -269,7 +269,7 @@ __device__ __forceinline__ PfKeys pf_keys(const PaRow* rows, int nrows, int warp
   if (lane < 16 * MW && r < nrows) {
     if (rows[r].lo <= rows[r].hi) { wlo = rows[r].lo; whi = rows[r].hi; }
     all_lo = rows[r].lo;
-    all_hi = rows[r].hi;
+    all_hi = min(rows[r].hi, rows[r].full - 1);  // past a custom mask's first drop, its bits are tested
   }
   return {__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi), __reduce_min_sync(0xffffffffu, wlo),
           __reduce_max_sync(0xffffffffu, whi), __reduce_max_sync(0xffffffffu, all_lo),
@@ -310,8 +310,11 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
   const int ntiles = (all_rows + ROWS - 1) / ROWS;
   for (int it = blockIdx.x % p.tiles; it < ntiles; it += p.tiles) {  // p.tiles apart: rows past the hint too
     const int row0 = (ntiles - 1 - it) * ROWS, nrows = min(ROWS, all_rows - row0);  // heaviest first
-    for (int r = threadIdx.x; r < ROWS; r += PD_THREADS)
-      rows[r] = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+    for (int r = threadIdx.x; r < ROWS; r += PD_THREADS) {
+      PaRow row = pa_row(r, row0, nrows, group, kv_head, sq, sinks, alibi_slopes, p);
+      row.full = pa_mask_full(custom_mask, row, sq.seq_len);
+      rows[r] = row;
+    }
     __syncthreads();
     pf_load_q<T, HD, ROWS>(pf_smem + S::Q, q, rows, nrows, p);  // kv_pipeline's first barrier publishes the q tile
     const PfKeys keys = pf_keys<ROWS, MW>(rows, nrows, warp, lane);
@@ -342,8 +345,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
 #pragma unroll
         for (int n = 0; n < TILE / 8; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.0f;
       pf_scores<T, HD, TILE, MW>(s, pf_smem + S::Q, kt, warp, lane);
-      // a custom mask, the diagonal, window edges, the last tile
-      const bool masked = custom_mask || base < all_lo || base + TILE - 1 > all_hi;
+      // the diagonal, window edges, a custom mask's drops, the last tile
+      const bool masked = base < all_lo || base + TILE - 1 > all_hi;
       const int key0 = base + 2 * (lane & 3);
 #pragma unroll
       for (int mi = 0; mi < MW; ++mi) {
