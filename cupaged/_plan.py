@@ -231,7 +231,9 @@ def make_plan(key: PlanKey) -> AttentionPlan:
     decode = decode_route(key)
     prefill = None if decode.max_q == ALL_ROWS else prefill_route(key)
     assert decode.max_q == ALL_ROWS or prefill, "a run no kernel takes"  # 16-bit q over rows: the prefill kernel's
-    short_runs = not prefill or (key.min_query_len or 0) <= decode.max_q  # else the decode kernel's CTAs all idle
+    # a min_query_len hint past the decode kernel's runs: no decode launch, and the prefill kernel takes every run
+    # (a hint that overstates costs speed, never rows)
+    short_runs = not prefill or (key.min_query_len or 0) <= decode.max_q
     main = prefill or decode  # its CTAs do the bulk of the work: its occupancy is what a split fills
     split = key.kv_split_size
     if split is None:
@@ -248,5 +250,6 @@ def make_plan(key: PlanKey) -> AttentionPlan:
         launches=tuple(_over_splits(route.launch, max_splits)
                        for route in (prefill, decode if short_runs else None) if route),
         merge=merge_launch(key) if split > 0 or key.prior_state else None,
-        tiles=prefill.launch.grid[0] if prefill else 0, decode_tiles=decode.launch.grid[0], decode_max_q=decode.max_q,
+        tiles=prefill.launch.grid[0] if prefill else 0, decode_tiles=decode.launch.grid[0],
+        decode_max_q=decode.max_q if short_runs else 0,
         decode_layout=key.decode_layout, prior_state=key.prior_state)

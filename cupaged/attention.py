@@ -64,8 +64,8 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
     """Plan attention of ``q`` over ``kv``; only the shapes of the index arrays are used (dense K/V:
     ``block_tables`` None and ``seq_lens`` = cu_seqlens_k). ``kv_split_size``: None chooses from the
     shape, 0 never splits, n splits every n keys; ``max_splits`` fixes the partial depth (vLLM v2).
-    ``min_query_len``: a hint that every query run is at least this long (runs past PD_MAX_Q = 16: no decode kernel
-    launch); ``prior_state`` (cascade): every split writes partials and the merge folds in run_attention's
+    ``min_query_len``: a hint that every query run is at least this long; past PD_MAX_Q = 16 the prefill kernel takes
+    every run and no decode kernel is launched (a hint that overstates costs speed, not results); ``prior_state`` (cascade): every split writes partials and the merge folds in run_attention's
     ``prior_lse`` state, whose output is ``out``.
     Every argument is checked (shapes, dtypes, hints; never the contents); planning a batch shape seen before
     then costs a dictionary lookup."""
@@ -164,7 +164,7 @@ def _check_run(plan: AttentionPlan, q, kv: KvView, out, lse, partials) -> None:
         raise TypeError(f"q must be a numpy or cupy array, got {type(q).__name__}") from None
     if want != got:
         raise ValueError(f"run_attention: q / kv do not match the plan (plan: {want}, got: {got})")
-    if len(plan.launches) > 1 and not kv.prefill_rows:  # the first of two is paged_prefill_kernel
+    if plan.tiles and not kv.prefill_rows:  # the plan launches paged_prefill_kernel
         raise ValueError("run_attention: the plan's prefill kernel reads K and V rows; this kv's values are not rows "
                          "(vLLM's layout): plan with this kv")
     if kv.decode_layout != plan.decode_layout:

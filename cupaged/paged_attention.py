@@ -24,7 +24,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
                     causal=True, sliding_window=None, window_size=None, sinks=None, alibi_slopes=None, softcap=None,
                     kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, layout="NHD", kv_split_size=None,
                     max_query_len=None, max_seq_len=None, workspace=None, out=None, return_lse=False, validate=None,
-                    custom_mask=None, mask_indptr=None):
+                    custom_mask=None, mask_indptr=None, min_query_len=None):
     """Attention of ``q`` ``[num_tokens, num_heads, head_size]`` over a paged KV cache.
 
     ``query_start_loc`` (int32 ``[num_seqs + 1]``) splits the tokens into sequences; ``None`` means
@@ -34,7 +34,9 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     position p sees keys p - left .. p + right, -1 unbounded; causal caps right at 0); not with
     ``sliding_window``. ``custom_mask`` / ``mask_indptr``: a tree mask per request (FlashInfer's: q_len x seq_len
     booleans, row-major, concatenated; or bit-packed little-endian by 8 per request; cupaged/_custom_mask.py), AND-ed
-    with the other masks; a query may not see a later key index than its own. Returns ``out`` (and LSE float32
+    with the other masks; a query may not see a later key index than its own. ``min_query_len``: a hint that every
+    query run is at least that long (past 16: no decode-kernel launch; the prefill kernel takes every run, so a hint
+    that overstates costs speed, not results). Returns ``out`` (and LSE float32
     ``[num_heads,
     num_tokens]``, natural log, with ``return_lse=True``). See README.md for every argument.
     """
@@ -53,6 +55,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     kv_split_size = check_optional_int("kv_split_size", kv_split_size, 1)
     max_query_len = check_optional_int("max_query_len", max_query_len, 0)
     max_seq_len = check_optional_int("max_seq_len", max_seq_len, 0)
+    min_query_len = check_optional_int("min_query_len", min_query_len, 0)
     kv_scale_args(xp, kv_cache_dtype, k_scale, v_scale, kv.num_kv_heads)  # checked even when nothing is launched
     check_workspace(workspace)
     check_custom_mask(custom_mask, mask_indptr, block_tables.shape[0])
@@ -69,7 +72,7 @@ def paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_sta
     if num_tokens == 0:
         return (out, lse) if return_lse else out
     plan = plan_checked(q, kv, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
-                        max_seq_len=max_seq_len, kv_split_size=kv_split_size)
+                        max_seq_len=max_seq_len, kv_split_size=kv_split_size, min_query_len=min_query_len)
     partials = carve_workspace(workspace, plan)
     run_attention(plan, q, kv, out, lse, block_tables, seq_lens, query_start_loc, scale=scale, causal=causal,
                   sliding_window=window, window_size=window_size, sinks=sinks, alibi_slopes=alibi, softcap=softcap,

@@ -71,7 +71,7 @@ def tree_verify() -> dict:
 
     def run():
         cupaged.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
-                                custom_mask=packed, mask_indptr=indptr, max_query_len=TREE_NODES,
+                                custom_mask=packed, mask_indptr=indptr, max_query_len=TREE_NODES, min_query_len=TREE_NODES,
                                 max_seq_len=SHARED, kv_split_size=split)
 
     seen = int(tree_mask(draft_tree(), context).sum())

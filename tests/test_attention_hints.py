@@ -42,6 +42,22 @@ def test_paged_attention_understated_hints_still_right(backend, hints):
     assert_close(lse, ref_lse, "lse", "lse")
 
 
+@pytest.mark.parametrize("min_query_len", [17, 40, 10**6], ids=["17", "exact", "overstated"])
+def test_paged_attention_min_query_len_drops_the_decode_launch_and_never_a_row(backend, min_query_len):
+    """min_query_len past 16: the plan launches the prefill kernel alone, which then takes every run, the short
+    ones too (MIXED has runs of 1 and 3): an overstated hint costs speed, never a row."""
+    inputs, _, _ = build(MIXED)
+    q = inputs["q"]
+    kv = cupaged.KvView.paged(inputs["key_cache"], inputs["value_cache"], q)
+    plan = cupaged.plan_attention(q, kv, inputs["block_tables"], inputs["seq_lens"], inputs["query_start_loc"],
+                                  min_query_len=min_query_len)
+    assert [x.kernel.split("<")[0] for x in plan.launches] == ["cupaged::paged_prefill_kernel"]
+    assert plan.decode_max_q == 0
+    (out, lse), (ref_out, ref_lse) = _paged(backend, min_query_len=min_query_len)
+    assert_close(out, ref_out, F16)
+    assert_close(lse, ref_lse, "lse", "lse")
+
+
 @pytest.mark.parametrize("hint, value", [("max_query_len", 39), ("max_seq_len", 699)])
 def test_paged_attention_validate_rejects_understated_hints(backend, hint, value):
     inputs, options, _ = build(MIXED)
