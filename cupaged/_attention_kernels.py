@@ -35,8 +35,16 @@ def decode_kernel(t, kv, hd, vt=False):
     return f"cupaged::paged_decode_kernel<{t}, {kv}, {hd}, {'true' if vt else 'false'}>"
 
 
-def decode_mma_kernel(t, kv, hd, vt):
-    return f"cupaged::paged_decode_mma_kernel<{t}, {kv}, {hd}, {'true' if vt else 'false'}>"
+def decode_mma_kernel(t, kv, hd, vt, tree=False):
+    flags = f"{'true' if vt else 'false'}, {'true' if tree else 'false'}"
+    return f"cupaged::paged_decode_mma_kernel<{t}, {kv}, {hd}, {flags}>"
+
+
+def tree_kernel(name: str) -> str:
+    """The instantiation of a plan's kernel that takes custom (tree) masks: paged_decode_mma_kernel's TREE one (its
+    loop without a mask runs as it did before masks existed), the others as they are."""
+    mma = name.startswith("cupaged::paged_decode_mma_kernel<")
+    return name.removesuffix(", false>") + ", true>" if mma else name
 
 
 def prefill_kernel(t, kv, hd, vhd):
@@ -52,7 +60,8 @@ FAMILY = KernelFamily("paged_attention", [
     # on CUDA cores: float32 q, and the head size the tensor-core decode kernel does not take
     *(decode_kernel(t, kv, hd, vt) for vt in (False, True) for t in _TYPES for kv in KV_KINDS for hd in HEAD_BUCKETS
       if t == "float" or hd not in MMA_BUCKETS),
-    *(decode_mma_kernel(t, kv, hd, vt) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS for vt in (0, 1)),
+    *(decode_mma_kernel(t, kv, hd, vt, tree) for t in _TYPES[1:] for kv in KV_KINDS for hd in MMA_BUCKETS
+      for vt in (0, 1) for tree in (False, True)),
     *(mla_kernel(t, kv, mt) for t in _TYPES[1:] for kv in KV_KINDS for mt in MLA_TILES),
     *(prefill_kernel(t, kv, hd, vhd) for t in _TYPES[1:] for kv in KV_KINDS for hd, vhd in PREFILL_BUCKETS
       if hd == vhd or kv == KV_KINDS[0]),  # 192 / 128: varlen's dense rows (MLA prefill), never an fp8 cache

@@ -12,6 +12,7 @@ cupaged/_plan.py schedules them (an AttentionPlan's launches).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 
@@ -20,7 +21,7 @@ import numpy as np
 from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._attention_args import (MAX_HEAD_SIZE, check_heads, check_q, check_tables, check_window, check_written,
                                     softmax_scales)
-from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, kernel_constants
+from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, kernel_constants, tree_kernel
 from cupaged._backend import (capturing, device_shared_limit, empty, module_of, on_sim, sm_count, sm_shared_bytes,
                               struct_arg)
 from cupaged._cache_args import kv_dtype_name, kv_scale_args
@@ -290,6 +291,8 @@ def run_attention(plan: AttentionPlan, q, kv: KvView, out, lse, block_tables, se
     with op_range(plan.op, label):
         for i, launch in enumerate(plan.launches):
             with declare_launch(xp, plan.op, label, cost) if i == 0 else _OFF:  # the op's cost, declared once
+                if custom_mask is not None:
+                    launch = dataclasses.replace(launch, kernel=tree_kernel(launch.kernel))
                 _kernel(plan, launch, xp)(launch.grid, launch.block, args, shared_mem=launch.shared_mem)
         if plan.merge is not None and merge:  # sequences with one split were finished above
             FAMILY.function(plan.merge.kernel, xp)(

@@ -33,7 +33,8 @@
 // each sequence by its q_len: runs of up to PD_MAX_Q (decode, speculative decoding) take a decode kernel, longer
 // ones the prefill kernel; float32 q, vLLM's layout and MLA take their decode kernel for every run.
 //   attention/decode.cuh       paged_decode_kernel<T, KV, HD, VT>: 4 query rows a CTA on CUDA cores, every dtype
-//   attention/decode_mma.cuh   paged_decode_mma_kernel<T, KV, HD, VT>: 8 rows on tensor cores (16-bit q, d <= 128)
+//   attention/decode_mma.cuh   paged_decode_mma_kernel<T, KV, HD, VT, TREE>: 8 rows on tensor cores (16-bit q, d <= 128;
+//                              TREE: launches with a custom mask)
 //   attention/prefill.cuh      paged_prefill_kernel<T, KV, HD, VHD>: FlashAttention-2 on tensor cores
 //   attention/mla_decode.cuh   mla_decode_kernel<T, KV, MT>: MLA over the latent cache on tensor cores
 //   attention/merge.cuh        paged_attention_reduce_kernel<T>: the split merge, the sink added once

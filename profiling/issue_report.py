@@ -102,8 +102,8 @@ def report(prof, top: int) -> None:
 
 
 HOT = ("paged_decode_kernel<__half, cupaged::KV_AUTO, 128, false>",
-       "paged_decode_mma_kernel<__half, cupaged::KV_AUTO, 128, false>",
-       "paged_decode_mma_kernel<__half, cupaged::KV_E4M3, 128, false>",
+       "paged_decode_mma_kernel<__half, cupaged::KV_AUTO, 128, false, false>",
+       "paged_decode_mma_kernel<__half, cupaged::KV_E4M3, 128, false, false>",
        "paged_prefill_kernel<__nv_bfloat16, cupaged::KV_AUTO, 128, 128>",
        "paged_prefill_kernel<__nv_bfloat16, cupaged::KV_AUTO, 192, 128>",
        "mla_decode_kernel<__nv_bfloat16, cupaged::KV_AUTO, 1>")

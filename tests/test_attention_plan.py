@@ -193,7 +193,8 @@ def test_a_plan_holds_its_launches_in_order_and_its_merge():
     assert (plan.tiles, plan.decode_tiles, plan.max_splits) == (1, 4, 6)  # 40 x 2 rows in 128; 16 x 2 in 8s
     assert prefill == Launch("cupaged::paged_prefill_kernel<__half, cupaged::KV_AUTO, 64, 64>", (1 * 6, 2, 3),
                              (c["PD_THREADS"], 1, 1), prefill.shared_mem)
-    assert decode == Launch("cupaged::paged_decode_mma_kernel<__half, cupaged::KV_AUTO, 64, false>", (4 * 6, 2, 3),
+    assert decode == Launch("cupaged::paged_decode_mma_kernel<__half, cupaged::KV_AUTO, 64, false, false>",
+                            (4 * 6, 2, 3),
                             (c["PD_THREADS"], 1, 1), decode_mma_smem_bytes(2, 64))
     assert plan.merge == Launch("cupaged::paged_attention_reduce_kernel<__half>", (44, 1, 1), (c["PA_THREADS"], 1, 1))
     with pytest.raises(dataclasses.FrozenInstanceError):
