@@ -16,6 +16,7 @@ import numpy as np
 from cupaged._backend import host_copy, is_host_array, module_of
 from cupaged._cache_args import check_index
 from cupaged._checks import address, check_dtype, check_ndim
+from cupaged._interop import accepts_foreign_arrays
 
 __all__ = ["pack_custom_mask", "check_custom_mask", "packed_custom_mask", "content_checked", "validate_custom_mask"]
 
@@ -33,6 +34,7 @@ def _indptr(xp, lengths):
     return xp.concatenate([xp.zeros(1, np.int64), xp.cumsum(lengths)]).astype(np.int32)
 
 
+@accepts_foreign_arrays
 def pack_custom_mask(custom_mask, mask_indptr=None, *, query_start_loc=None, seq_lens=None):
     """``(packed uint8, packed_indptr int32 [num_seqs + 1])`` of an unpacked boolean ``custom_mask``: each request's
     bits packed little-endian by 8 from a byte boundary (FlashInfer's ``segment_packbits(..., bitorder="little")``).
