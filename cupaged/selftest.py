@@ -192,6 +192,10 @@ def _attention(dtype, kv_cache_dtype="auto", heads=(8, 2), **options):
         split = opts.pop("kv_split_size", None)
         if opts.pop("sinks", False):
             opts["sinks"] = rng.uniform(0, 2, heads[0]).astype(np.float32)
+        if opts.pop("tree", False):  # causal, each run's own keys dropped at random below the diagonal (a tree's)
+            rows = [np.tri(n, s, s - n, dtype=bool) & ((np.arange(s) < s - n) | np.eye(n, s, s - n, dtype=bool)
+                                                        | (rng.random((n, s)) < 0.5)) for n, s in seqs]
+            opts["custom_mask"] = np.concatenate([r.ravel() for r in rows])
         dev_opts = {k: asarray(x) if is_host_array(x) else x for k, x in opts.items()}
         out, lse = paged_attention(asarray(q), asarray(k), asarray(v), asarray(table), asarray(seq_lens), asarray(qsl),
                                    kv_cache_dtype=kv_cache_dtype, k_scale=scale, v_scale=scale, return_lse=True,
@@ -281,6 +285,7 @@ CASES = {
                                                              alibi_slopes=np.linspace(0.1, 0.8, 8, dtype=np.float32)),
     "paged_attention bfloat16 GQA 8 fp8_e5m2 sinks (tensor cores)": _attention(ml_dtypes.bfloat16, "fp8_e5m2",
                                                                              heads=(16, 2), sinks=True),
+    "paged_attention float16 GQA 8 tree mask (tensor cores)": _attention(np.float16, heads=(8, 1), tree=True),
     "paged_attention float16 window_size (24, 4) non-causal": _attention(np.float16, causal=False,
                                                                          window_size=(24, 4)),
     "paged_attention_v1 float16": _vllm_attention(1),
