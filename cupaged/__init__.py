@@ -15,6 +15,7 @@ from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_chunked_prefill, mla_decode
 from cupaged.paged_attention import paged_attention
 from cupaged._custom_mask import pack_custom_mask
+from cupaged._tensor_map import make_tensor_map
 from cupaged.paged_attention_vllm import paged_attention_v1, paged_attention_v2
 from cupaged.pool import BatchPlan, BlockPool, OutOfBlocks, PoolUsage
 from cupaged.rope import RotaryEmbedding, rope_and_cache
@@ -31,9 +32,8 @@ del _public
 __all__ = [
     "reshape_and_cache_flash", "reshape_and_cache", "concat_and_cache_mla", "gather_and_maybe_dequant_cache",
     "convert_fp8", "cp_gather_cache", "copy_blocks", "swap_blocks", "paged_attention", "paged_attention_v1",
-    "paged_attention_v2", "pack_custom_mask", "cascade_attention", "CascadeLevel", "varlen_attention", "mla_decode",
-    "AttentionPlan",
-    "KvView", "plan_attention", "run_attention", "workspace_bytes",
+    "paged_attention_v2", "pack_custom_mask", "make_tensor_map", "cascade_attention", "CascadeLevel",
+    "varlen_attention", "mla_decode", "AttentionPlan", "KvView", "plan_attention", "run_attention", "workspace_bytes",
     "merge_attn_states", "mla_chunked_prefill", "BlockPool", "BatchPlan", "OutOfBlocks", "PoolUsage", "KVCache",
     "KVCacheTooLarge", "RotaryEmbedding", "rope_and_cache", "layers", "__version__",
 ]

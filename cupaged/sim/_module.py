@@ -147,7 +147,11 @@ class RawKernel:
             size = int(code[7:])
             if not (isinstance(a, np.generic) and a.dtype.itemsize == size):
                 raise TypeError(f"{self.name}: {pname} is a {size}-byte struct: pass a numpy scalar of that size")
-            return ctypes.create_string_buffer(a.tobytes(), size)
+            # aligned as strictly as any C++ struct (a CUtensorMap is alignas(64), or 128 in CUDA 13)
+            buf = ctypes.create_string_buffer(size + 256)
+            view = (ctypes.c_char * size).from_buffer(buf, -ctypes.addressof(buf) % 256)
+            ctypes.memmove(view, a.tobytes(), size)
+            return view
         ctype, want = _SCALARS[code]
         if isinstance(a, (bool, np.bool_)) and want != "bool":
             raise TypeError(f"{self.name}: {pname} expects {want}, got bool")

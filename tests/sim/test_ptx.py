@@ -507,7 +507,8 @@ def test_cp_async_misuse_sim():
 BAD = {  # case: (lines above the kernel, a valid asm before the bad one, the bad statement, its opcode)
     "unknown": ("", 'asm("lop3.b32 %0, %1, %2, %3, 0x96;"\n      : "=r"(y) : "r"(y), "r"(y), "r"(y));',
                 'asm volatile("foo.bar.b32 %0, %1;" : "=r"(x) : "r"(y));', "foo.bar"),
-    "unsupported": ("", "", 'asm volatile("wgmma.fence.sync.aligned;" ::: "memory");', "wgmma.fence"),
+    "unsupported": ("", "", 'asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory");',
+                    "tcgen05.fence::before_thread_sync"),
     "macro": ('#define GOOD(d, s) \\\n  asm("lop3.b32 %0, %1, %1, %1, 0xF0;" \\\n      : "=r"(d) : "r"(s))\n'
               '/* a comment\n   over two lines */\n'
               '#define BAD(d, s) asm volatile("foo.bar.b32 %0, %1;" : "=r"(d) : "r"(s))\n',

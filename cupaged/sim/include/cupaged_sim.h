@@ -358,6 +358,8 @@ int launch(void (*f)(A...), const LaunchConfig* cfg, void** args) {
 // ---- inline PTX (the compile step rewrites each asm statement into calls to these)
 #include "cupaged_sim_ptx.h"
 #include "cupaged_sim_mma.h"
+#include "cupaged_sim_hopper.h"
+#include "cupaged_sim_wgmma.h"
 
 // ---- alignas after __shared__
 // `__shared__ alignas(16) float x[N];` is valid CUDA (__shared__ is a GNU attribute there, so the

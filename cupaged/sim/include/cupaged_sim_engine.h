@@ -72,7 +72,7 @@ static const unsigned long long kDynSmemCapacity = CUPAGED_SIM_DYN_SMEM;
 static const size_t kStackSize = 128 * 1024;
 static const int kMaxThreads = 1024;
 
-enum State { RUNNABLE, WAIT_BAR, WAIT_WARP, DONE, WAIT_ACTIVE };
+enum State { RUNNABLE, WAIT_BAR, WAIT_WARP, DONE, WAIT_ACTIVE, WAIT_NAMED, WAIT_MBAR, WAIT_WG };
 enum Coll {
   SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR, VOTE_ALL, VOTE_ANY, BALLOT, SYNCWARP, MATCH_ANY, MATCH_ALL,
   RED_ADD, RED_MIN, RED_MAX, RED_UMIN, RED_UMAX, RED_AND, RED_OR, RED_XOR, WARP_OP
@@ -109,6 +109,10 @@ struct SimThread {
   const unsigned* xin;
   unsigned* xout;
   unsigned long long xaddr;
+  const void* xop;  // a warpgroup-wide instruction's operands (cupaged_sim_async.h)
+  // a wait at a named barrier or an mbarrier (cupaged_sim_async.h): which, and for what phase
+  int wait_id, wait_kind;
+  unsigned long long wait_value;
   // __activemask(): its call site and result
   const void* am_site;
   unsigned am_result;
@@ -606,8 +610,11 @@ CUPAGED_SIM_TRUSTED static void finish_warp_op(Warp* w, Group* gr) {
   release_lanes(base, 0xFFFFFFFFu);
 }
 
+#include "cupaged_sim_async.h"
+
 CUPAGED_SIM_TRUSTED static void thread_exit() {
   SimThread* t = g.cur;
+  async_thread_exit(t);
   t->state = DONE;
   ++g.exited;
   if (g.bar_arrived) {
@@ -635,10 +642,12 @@ CUPAGED_SIM_TRUSTED static void report_deadlock() {
       int j = i + 1;
       auto same = [&](SimThread* u) {
         return u->state == t->state && (t->state != WAIT_BAR || u->bar_line == t->bar_line) &&
+               (t->state < WAIT_NAMED || (u->wait_id == t->wait_id && u->line == t->line)) &&
                (t->state != WAIT_WARP || (u->group == t->group && u->line == t->line));
       };
       while (j < g.nthreads && j < wi * 32 + 32 && same(&g.threads[j])) ++j;
-      if (t->state == WAIT_BAR)
+      if (async_describe(t, wi, t->lane + j - i - 1)) {
+      } else if (t->state == WAIT_BAR)
         append_error(" warp %d lanes %d-%d wait at %s (line %d);", wi, t->lane, t->lane + j - i - 1, kBarName[t->bar_kind], t->bar_line);
       else if (t->state == WAIT_WARP) {
         Group* gr = &g.warps[wi].groups[t->group];
@@ -743,6 +752,7 @@ CUPAGED_SIM_TRUSTED static int run_block(unsigned bx, unsigned by, unsigned bz, 
     g.warps[w].am_waiting = 0;
     for (auto& c : g.warps[w].groups) c.active = false;
   }
+  async_block_start();
   int ids[kMaxThreads];
   for (int i = 0; i < g.nthreads; ++i) {
     SimThread* t = &g.threads[i];

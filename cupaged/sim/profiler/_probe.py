@@ -36,7 +36,9 @@ class _ProfLaunch(ctypes.Structure):  # ProfLaunch in cupaged_sim_profile.h
                 ("mma_flops", ctypes.c_ulonglong), ("max_inflight_bytes_per_cta", ctypes.c_ulonglong),
                 ("block_stride", ctypes.c_uint * 3), ("ctas_profiled", ctypes.c_ulonglong),
                 ("sites", ctypes.POINTER(_ProfSite)), ("site_capacity", ctypes.c_ulonglong),
-                ("blocks", ctypes.POINTER(_ProfBlock)), ("block_capacity", ctypes.c_ulonglong)]
+                ("blocks", ctypes.POINTER(_ProfBlock)), ("block_capacity", ctypes.c_ulonglong),
+                ("gmma_flops", ctypes.c_ulonglong), ("gmma_fp8_flops", ctypes.c_ulonglong),
+                ("bulk_copy_bytes", ctypes.c_ulonglong)]
 
 
 class LaunchStructs:

@@ -91,6 +91,9 @@ class Launch:
     line_executions: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
     # the host build's basic blocks of the kernel's code: (their source lines, warp-level executions)
     host_blocks: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    gmma_flops: int = 0  # wgmma.mma_async with 16-bit inputs
+    gmma_fp8_flops: int = 0  # and with 8-bit inputs
+    bulk_copy_bytes: int = 0  # moved by cp.async.bulk (plain and tensor), both directions
 
     @functools.cached_property
     def instructions(self):
@@ -223,6 +226,7 @@ class LaunchProbe:
         launch = Launch(self.kernel.name, tuple(grid), tuple(block), int(shared_mem), args,
                         SharedTraffic(s.wavefronts, s.ideal_wavefronts, by_line), s.cp_async_bytes, s.mma_flops,
                         s.max_inflight_bytes_per_cta, int(np.prod(grid)), s.ctas_profiled, self.declared,
-                        module.code, module.options, executions, tuple(blocks))
+                        module.code, module.options, executions, tuple(blocks), s.gmma_flops, s.gmma_fp8_flops,
+                        s.bulk_copy_bytes)
         for prof in _ACTIVE:
             prof.launches.append(launch)

@@ -21,6 +21,7 @@ class Operand:
     var: str
     ctype: str
     letter: str
+    output: bool = False  # an output (its C++ lvalue is bound as _cpo<index>)
 
 
 BITS_SIZE = {"8": 1, "16": 2, "32": 4, "64": 8, "128": 16}
@@ -32,7 +33,11 @@ SPECIAL = {"%laneid": f"{P}laneid()", "%warpid": f"{P}warpid()", "%lanemask_eq":
             "%lanemask_lt": f"((1u << {P}laneid()) - 1u)", "%lanemask_le": f"((2u << {P}laneid()) - 1u)",
             "%lanemask_gt": f"(~((2u << {P}laneid()) - 1u))", "%lanemask_ge": f"(~((1u << {P}laneid()) - 1u))",
             **{f"%{r}.{a}": f"{v}.{a}" for r, v in (("tid", "threadIdx"), ("ntid", "blockDim"), ("ctaid", "blockIdx"),
-                                                     ("nctaid", "gridDim")) for a in "xyz"}}
+                                                     ("nctaid", "gridDim")) for a in "xyz"},
+            # a launch is one cluster of one CTA per cluster (the sim runs no clusters)
+            "%cluster_ctarank": "0u", "%cluster_nctarank": "1u", "%is_explicit_cluster": "0u",
+            **{f"%cluster_ctaid.{a}": "0u" for a in "xyz"}, **{f"%cluster_nctaid.{a}": "1u" for a in "xyz"},
+            **{f"%clusterid.{a}": f"blockIdx.{a}" for a in "xyz"}, **{f"%nclusterid.{a}": f"gridDim.{a}" for a in "xyz"}}
 
 def size_of(t: str) -> int:
     return BITS_SIZE[re.sub(r"^[a-z]+|x2$", "", t)] * (2 if t.endswith("x2") else 1)
@@ -53,6 +58,7 @@ class Statement:
 
     def __init__(self, operands, line, where):
         self.vars = {o.var for o in operands}
+        self.lvalues = {o.var: f"_cpo{o.index}" for o in operands if o.output}  # output var -> its C++ lvalue
         self.locals: dict[str, str] = {}  # PTX name -> C++ name
         self.preds: set[str] = set()  # C++ names of .pred locals
         self.line, self.where = line, where

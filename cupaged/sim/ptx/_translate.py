@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 from cupaged.sim.ptx._base import INT_TYPES, REG_CTYPE, Operand, P, Statement, as_type, from_type, size_of, split_commas
+from cupaged.sim.ptx._hopper_ops import HANDLERS as HOPPER
 from cupaged.sim.ptx._memory_ops import cp, cvta, ldst, matrix, mma, mov, sync
 
 __all__ = ["Operand", "translate", "EMULATED"]
@@ -25,7 +26,14 @@ EMULATED = ("mma.sync.aligned.m16n8k{8,16,32}.row.col (f16/bf16/e4m3/e5m2 inputs
             "ld / st (.global .shared generic, .nc, cache hints, .v2 .v4), mov (incl. packing), cvta, cvt",
             "prmt, lop3, setp, selp, integer and f32 add/sub/mul/mad/fma/min/max/and/or/xor/not/shl/shr",
             "ex2 / lg2 / rcp / sqrt / rsqrt / tanh / sin / cos .approx, shfl.sync, bar.sync 0, bar.warp.sync, "
-            "fence / membar")
+            "fence / membar",
+            "wgmma.mma_async m64nNk16 (f16/bf16) / m64nNk32 (e4m3/e5m2), A from registers or a descriptor; "
+            "wgmma.fence / commit_group / wait_group",
+            "mbarrier.init / arrive(.expect_tx) / arrive_drop / expect_tx / complete_tx / try_wait / test_wait (.parity) "
+            "/ inval, cp.async.mbarrier.arrive(.noinc)",
+            "cp.async.bulk global <-> shared, cp.async.bulk.tensor 1d-5d .tile (tensor maps), commit_group / wait_group",
+            "bar.sync / bar.arrive id, count (named barriers), elect.sync, setmaxnreg, fence.proxy.async, "
+            "griddepcontrol, createpolicy, prefetch, labels and bra")
 
 
 _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "lo": "<", "ls": "<=", "hi": ">",
@@ -40,12 +48,19 @@ def translate(ptx: str, operands, line: int, where: str) -> str:
     """C++ for the PTX text ``ptx`` of one asm statement."""
     st = Statement(operands, line, where)
     ptx = re.sub(r"/\*.*?\*/", " ", re.sub(r"//[^\n]*", " ", ptx), flags=re.S)
-    code = []
+    code, labels = [], []
     for raw in ptx.split(";"):
         s = raw.strip()
-        while s[:1] in ("{", "}"):
-            code.append(s[0])
-            s = s[1:].strip()
+        while True:
+            while s[:1] in ("{", "}"):
+                code.append(s[0])
+                s = s[1:].strip()
+            m = re.match(r"([A-Za-z_$][\w$]*)\s*:(?!:)\s*", s)
+            if not m:
+                break
+            labels.append(_label(m.group(1)))
+            code.append(f"{labels[-1]}: ;")
+            s = s[m.end():]
         if not s:
             continue
         tail = ""
@@ -53,7 +68,19 @@ def translate(ptx: str, operands, line: int, where: str) -> str:
             tail += "}"
             s = s[:-1].strip()
         code.append(_instruction(st, s) + tail)
+    if labels:  # block-scoped labels (GCC's __label__): an asm statement inlined twice declares them twice
+        return "{ __label__ " + ", ".join(labels) + "; " + " ".join(code) + " }"
     return " ".join(code)
+
+
+def _label(name: str) -> str:
+    return "_cpl_" + re.sub(r"\W", "_", name)
+
+
+def _branch(st, parts, ops):
+    if parts[1:] not in ([], ["uni"]) or len(ops) != 1:
+        return None
+    return f"goto {_label(ops[0].strip())};"
 
 
 def _instruction(st: Statement, s: str) -> str:
@@ -181,4 +208,4 @@ def _simple(st, parts, ops):
 _HANDLERS = {"mma": mma, "ldmatrix": matrix, "stmatrix": matrix, "cp": cp, "ld": ldst, "st": ldst,
              "mov": mov, "cvt": _cvt, "cvta": cvta, "fence": sync, "membar": sync, "shfl": sync, "bar": sync,
              "barrier": sync, **{k: _simple for k in ("prmt", "lop3", "setp", "selp", "not", "mul", "mad", "fma",
-                                                       *_MATH, *_ALU)}}
+                                                       *_MATH, *_ALU)}, **HOPPER, "bra": _branch}

@@ -39,6 +39,8 @@ struct ProfLaunch {  // mirrored by ctypes in cupaged/sim/profiler/_probe.py
   unsigned long long site_capacity;  // the engine's until the next launch
   const ProfBlock* blocks;   // basic blocks executed: a hash table of block_capacity slots, the
   unsigned long long block_capacity;  // engine's until the next launch
+  // Hopper: wgmma flops (16-bit inputs; 8-bit inputs) and bytes moved by cp.async.bulk (tensor or not)
+  unsigned long long gmma_flops, gmma_fp8_flops, bulk_copy_bytes;
 };
 
 static ProfLaunch* g_prof;  // the profiled launch, or null

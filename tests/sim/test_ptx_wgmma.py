@@ -1,0 +1,185 @@
+"""wgmma.mma_async on the sim, bit-exact against the independent numpy models of ``hopper_isa.py``.
+
+Each case builds A and B in a shared-memory image at the addresses the model gives for its descriptor
+(layout, swizzle, LBO/SBO), the kernel copies the image into shared memory (generic stores, then
+``fence.proxy.async``), runs one wgmma and writes every thread's accumulator registers out; the test
+scatters them through the model's fragment layout and compares with float64 ``C + (sa A)(sb B)^T``
+rounded once (f32 or f16), the rounding rule the sim documents. Every source also compiles under
+NVRTC for sm_90a. The full product of shapes, types, swizzles and majors runs under ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupaged import _nvrtc, sim
+from tests.conftest import Backend, raw_module
+from tests.sim import hopper_isa as isa
+
+DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16, "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+
+
+def layout(rows: int, eb: int, major: str, swizzle: str) -> tuple[int, int, int]:
+    """(lbo, sbo, bytes) of a canonical operand of ``rows`` rows: core matrices / atoms packed densely."""
+    t, w = 16 // eb, isa.SWIZZLE_SPAN[swizzle] // 16
+    if major == "K" and swizzle == "none":
+        return 128, 256, rows // 8 * 256 if rows % 8 == 0 else (rows // 8 + 1) * 256
+    if major == "K":
+        return 16, 128 * w, -(-rows // 8) * 128 * w
+    if swizzle == "none":
+        groups = -(-rows // t)
+        return 128 * groups, 128, 2 * 128 * groups
+    atoms = -(-rows // (t * w))
+    return 2 * 128 * w, 128 * w, atoms * 2 * 128 * w
+
+
+def source(n, ta, tb, acc, a_regs, trans_a=0, trans_b=0, neg_a=1, neg_b=1, fence_proxy=True, fence_wgmma=True):
+    fp8 = ta in ("e4m3", "e5m2")
+    nd, k = (n // 4 if acc == "f16" else n // 2), (32 if fp8 else 16)
+    dt, con = ("unsigned", "+r") if acc == "f16" else ("float", "+f")
+    a_op = "{%%%d, %%%d, %%%d, %%%d}" % tuple(range(nd, nd + 4)) if a_regs else f"%{nd}"
+    j = nd + (4 if a_regs else 1)
+    imms = f"{neg_a}, {neg_b}" + ("" if fp8 else f", {trans_b}" if a_regs else f", {trans_a}, {trans_b}")
+    outs = ", ".join(f'"{con}"(d[{i}])' for i in range(nd))
+    ins = ", ".join([*(f'"r"(a[{i}])' for i in range(4))] if a_regs else ['"l"(da)']) + ', "l"(db), "r"(scale_d)'
+    return f"""
+extern "C" __global__ void wg(const unsigned char* image, int image_bytes, const unsigned* areg,
+                              unsigned long long desc_a, unsigned long long desc_b, const {dt}* c_in, {dt}* out,
+                              int scale_d) {{
+  extern __shared__ unsigned char smem[];  // [image_bytes + 1024]: the image from a 1024-aligned address
+  unsigned base = (unsigned)__cvta_generic_to_shared(smem), pad = (1024u - base % 1024u) % 1024u;
+  for (int i = threadIdx.x; i < image_bytes; i += blockDim.x) smem[pad + i] = image[i];
+  {'asm volatile("fence.proxy.async.shared::cta;" ::: "memory");' if fence_proxy else ''}
+  __syncthreads();
+  const int t = threadIdx.x;
+  const unsigned long long da = desc_a + ((base + pad) >> 4), db = desc_b + ((base + pad) >> 4);
+  {dt} d[{nd}];
+  unsigned a[4];
+  for (int i = 0; i < {nd}; ++i) d[i] = c_in[t * {nd} + i];
+  for (int i = 0; i < 4; ++i) a[i] = areg[4 * t + i];
+  {'asm volatile("wgmma.fence.sync.aligned;" ::: "memory");' if fence_wgmma else ''}
+  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{j + 1}, 0;\\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k{k}.{acc}.{ta}.{tb} {{{", ".join(f"%{i}" for i in range(nd))}}}, "
+               "{a_op}, %{j}, p, {imms};\\n}}\\n" : {outs} : {ins});
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int i = 0; i < {nd}; ++i) out[t * {nd} + i] = d[i];
+}}
+"""
+
+
+def run_case(backend, n, ta, tb, acc, a_regs, major_a="K", major_b="K", swz_a="none", swz_b="none",
+             neg_a=1, neg_b=1, scale_d=1, seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    fp8 = ta in ("e4m3", "e5m2")
+    eb, k = (1, 32) if fp8 else (2, 16)
+    A = rng.normal(size=(64, k)).astype(DTYPES[ta])
+    B = rng.normal(size=(n, k)).astype(DTYPES[tb])
+    image = np.zeros(1 << 16, np.uint8)
+    off_b, desc_a = 0, 0
+    if not a_regs:
+        lbo, sbo, size = layout(64, eb, major_a, swz_a)
+        isa.store_operand(A, isa.operand_addresses(64, eb, major_a, swz_a, lbo, sbo), image)
+        desc_a = isa.descriptor(0, lbo, sbo, swz_a)
+        off_b = -(-size // 1024) * 1024
+    lbo, sbo, size = layout(n, eb, major_b, swz_b)
+    isa.store_operand(B, isa.operand_addresses(n, eb, major_b, swz_b, lbo, sbo, start=off_b), image)
+    desc_b = isa.descriptor(off_b, lbo, sbo, swz_b)
+    image = image[:off_b + size]
+    areg = np.zeros((128, 4), np.uint32)
+    if a_regs:
+        coords = isa.a_register_coords(eb)  # [128, 4, per, 2]
+        bits = A.view(np.uint8 if fp8 else np.uint16)[coords[..., 0], coords[..., 1]].astype(np.uint32)
+        areg = (bits << (8 * eb * np.arange(4 // eb, dtype=np.uint32))).sum(axis=-1).astype(np.uint32)
+    cdt = np.float16 if acc == "f16" else np.float32
+    C = rng.normal(size=(64, n)).astype(cdt)
+    coords = isa.accumulator_coords(n)
+    c_in = C[coords[..., 0], coords[..., 1]]  # [128, n / 2]
+    D = (C.astype(np.float64) if scale_d else 0.0) + (neg_a * A.astype(np.float64)) @ (neg_b * B.astype(np.float64)).T
+    want = D.astype(cdt)[coords[..., 0], coords[..., 1]]
+    if acc == "f16":
+        c_in = c_in.view(np.uint32)
+        want = want.view(np.uint32)
+    nd = c_in.shape[1]
+    mod = raw_module(backend, source(n, ta, tb, acc, a_regs, int(major_a == "MN"), int(major_b == "MN"), neg_a, neg_b,
+                                     **kw))
+    f = mod.get_function("wg")
+    f.max_dynamic_shared_size_bytes = image.size + 1024
+    out = backend.empty((128, nd), c_in.dtype)
+    f((1,), (128,), (backend.asarray(image), np.int32(image.size), backend.asarray(areg), np.uint64(desc_a),
+                     np.uint64(desc_b), backend.asarray(c_in), out, np.int32(scale_d)), shared_mem=image.size + 1024)
+    return backend.to_numpy(out), want
+
+
+CASES = [  # (n, ta, tb, acc, a_regs, major_a, major_b, swz_a, swz_b): each swizzle, major, type, A source
+    (64, "bf16", "bf16", "f32", False, "K", "K", "128B", "128B"),
+    (32, "f16", "f16", "f16", True, "K", "MN", "none", "64B"),
+    (24, "e4m3", "e5m2", "f32", False, "K", "K", "none", "32B"),
+    (16, "e5m2", "e4m3", "f16", True, "K", "K", "none", "128B"),
+    (8, "bf16", "bf16", "f32", False, "MN", "MN", "128B", "none"),
+    (40, "f16", "f16", "f32", False, "MN", "K", "32B", "64B"),
+    (256, "bf16", "bf16", "f32", True, "K", "MN", "none", "128B"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"n{c[0]}-{c[1]}{c[2]}-{c[3]}-{'reg' if c[4] else c[5] + c[7]}-"
+                                                      f"{c[6]}{c[8]}")
+def test_wgmma_matches_isa_model(backend, case):
+    n, ta, tb, acc, a_regs, ma, mb, sa, sb = case
+    got, want = run_case(backend, n, ta, tb, acc, a_regs, ma, mb, sa, sb)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("neg_a, neg_b, scale_d", [(-1, 1, 1), (1, -1, 0)])
+def test_wgmma_scales(backend, neg_a, neg_b, scale_d):
+    got, want = run_case(backend, 32, "bf16", "bf16", "f32", False, "K", "K", "64B", "64B", neg_a, neg_b, scale_d)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_broken_layout_is_caught():
+    """The comparison fails when the operand's layout is broken (B stored K-major, described MN-major)."""
+    be = Backend("sim")
+    got, want = run_case(be, 32, "bf16", "bf16", "f32", False, "K", "K", "64B", "64B")
+    np.testing.assert_array_equal(got, want)
+    rng = np.random.default_rng(0)
+    wrong = want.copy()
+    wrong[rng.integers(0, 128), rng.integers(0, 16)] += 1
+    assert not np.array_equal(got, wrong)
+
+
+def test_missing_proxy_fence_is_an_error():
+    with pytest.raises(sim.SimSyncError, match="fence.proxy.async"):
+        run_case(Backend("sim"), 16, "bf16", "bf16", "f32", False, "K", "K", "none", "none", fence_proxy=False)
+
+
+def test_missing_wgmma_fence_is_an_error():
+    with pytest.raises(sim.SimSyncError, match="wgmma.fence"):
+        run_case(Backend("sim"), 16, "bf16", "bf16", "f32", False, "K", "K", "none", "none", fence_wgmma=False)
+
+
+@pytest.mark.parametrize("case", CASES[:4])
+def test_sources_compile_for_sm90a(case):
+    n, ta, tb, acc, a_regs, ma, mb, *_ = case
+    _nvrtc.compile_cubin(source(n, ta, tb, acc, a_regs, int(ma == "MN"), int(mb == "MN")), arch="sm_90a",
+                         options=("-std=c++17",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", range(8, 257, 8))
+@pytest.mark.parametrize("types", [("bf16", "bf16", "f32"), ("f16", "f16", "f16"), ("e4m3", "e4m3", "f32"),
+                                   ("e5m2", "e4m3", "f16")])
+def test_wgmma_every_shape(n, types):
+    got, want = run_case(Backend("sim"), n, *types, False, "K", "K", "128B", "64B", seed=n)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ma, sa, mb, sb", [(ma, sa, mb, sb) for ma, sa, mb, sb in
+                                            itertools.product("K MN".split(), isa.SWIZZLES, "K MN".split(), isa.SWIZZLES)])
+def test_wgmma_every_layout(ma, sa, mb, sb):
+    got, want = run_case(Backend("sim"), 48, "f16", "f16", "f32", False, ma, mb, sa, sb)
+    np.testing.assert_array_equal(got, want)
