@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from cupaged import _nvrtc, sim
+from cupaged.sim._memory import poison_byte
 from tests.conftest import Backend, raw_module
 from tests.sim import hopper_isa as isa
 
@@ -37,7 +38,9 @@ def layout(rows: int, eb: int, major: str, swizzle: str) -> tuple[int, int, int]
     return 2 * 128 * w, 128 * w, atoms * 2 * 128 * w
 
 
-def source(n, ta, tb, acc, a_regs, trans_a=0, trans_b=0, neg_a=1, neg_b=1, fence_proxy=True, fence_wgmma=True):
+def source(n, ta, tb, acc, a_regs, trans_a=0, trans_b=0, neg_a=1, neg_b=1, fence_proxy=True, fence_wgmma=True,
+           between=""):
+    """A kernel running one wgmma; ``between``: code between its commit_group and its wait_group."""
     fp8 = ta in ("e4m3", "e5m2")
     nd, k = (n // 4 if acc == "f16" else n // 2), (32 if fp8 else 16)
     dt, con = ("unsigned", "+r") if acc == "f16" else ("float", "+f")
@@ -66,6 +69,7 @@ extern "C" __global__ void wg(const unsigned char* image, int image_bytes, const
                "wgmma.mma_async.sync.aligned.m64n{n}k{k}.{acc}.{ta}.{tb} {{{", ".join(f"%{i}" for i in range(nd))}}}, "
                "{a_op}, %{j}, p, {imms};\\n}}\\n" : {outs} : {ins});
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  {between}
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   for (int i = 0; i < {nd}; ++i) out[t * {nd} + i] = d[i];
 }}
@@ -159,6 +163,21 @@ def test_missing_proxy_fence_is_an_error():
 def test_missing_wgmma_fence_is_an_error():
     with pytest.raises(sim.SimSyncError, match="wgmma.fence"):
         run_case(Backend("sim"), 16, "bf16", "bf16", "f32", False, "K", "K", "none", "none", fence_wgmma=False)
+
+
+@pytest.mark.parametrize("between, what", [("d[3] = 1.0f;", "accumulator"), ("a[2] = 7u;", "A fragment")])
+def test_registers_written_in_flight_are_an_error(between, what):
+    with pytest.raises(sim.SimSyncError, match=f"{what} register"):
+        run_case(Backend("sim"), 16, "f16", "f16", "f32", True, between=between)
+
+
+def test_registers_in_flight_read_poison():
+    """Until wait_group covers the wgmma, its accumulators and the variables A came from hold poison
+    (the kernel traps otherwise), and the wait lands the results and restores A."""
+    word = f"{poison_byte() * 0x01010101}u"
+    check = f"if (__float_as_uint(d[0]) != {word} || a[3] != {word}) __trap();"
+    got, want = run_case(Backend("sim"), 16, "f16", "f16", "f32", True, between=check)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("case", CASES[:4])

@@ -318,6 +318,7 @@ struct WgReg {
   void* reg;       // the C++ variable the asm statement bound the accumulator register to
   unsigned value;  // what the wgmma will write there
   unsigned group;  // its wgmma-group (commit groups closed before it was issued)
+  bool a_fragment; // a register of A (restored by the landing), not an accumulator
 };
 struct WgThread {
   WgReg* regs;  // in flight, oldest first

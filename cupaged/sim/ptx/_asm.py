@@ -145,7 +145,7 @@ def _bind(sections, where) -> tuple[list[Operand], list[str], list[str]]:
             pre.append(f"const long long {var} = (long long)({expr});")
         else:
             pre.append(f"const {ctype} {var} = ::cupaged_sim::ptx::in<{ctype}>(({expr}));")
-        operands.append(Operand(k, name, var, ctype, letter, k < len(outs)))
+        operands.append(Operand(k, name, var, ctype, letter, k < len(outs), expr))
     return operands, pre, post
 
 

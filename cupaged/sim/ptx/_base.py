@@ -22,6 +22,7 @@ class Operand:
     ctype: str
     letter: str
     output: bool = False  # an output (its C++ lvalue is bound as _cpo<index>)
+    expr: str = ""  # the C++ expression it binds
 
 
 BITS_SIZE = {"8": 1, "16": 2, "32": 4, "64": 8, "128": 16}
@@ -59,6 +60,7 @@ class Statement:
     def __init__(self, operands, line, where):
         self.vars = {o.var for o in operands}
         self.lvalues = {o.var: f"_cpo{o.index}" for o in operands if o.output}  # output var -> its C++ lvalue
+        self.exprs = {o.var: o.expr for o in operands if not o.output}  # input var -> its C++ expression
         self.locals: dict[str, str] = {}  # PTX name -> C++ name
         self.preds: set[str] = set()  # C++ names of .pred locals
         self.line, self.where = line, where

@@ -63,9 +63,12 @@ def wgmma(st, parts, ops):
     scale_d = st.lv(pred) if st.locals.get(pred) in st.preds else f"({st.val(pred)} != 0)"
     imm = [st.val(x) for x in ops[4:]]
     trans_a, trans_b = (("0", "0") if fp8 else ("0", imm[2]) if a_regs else (imm[2], imm[3]))
-    ains = ""
-    if a_regs:
-        ains = "const unsigned _a[4] = {" + ", ".join(f"(unsigned){st.val(x)}" for x in st.vec(ops[1], 4)) + "}; "
+    ains = "void* const _ar[4] = {nullptr, nullptr, nullptr, nullptr}; "
+    if a_regs:  # A's registers, and the variables they came from (poisoned while the wgmma reads them)
+        av = [x.strip() for x in st.vec(ops[1], 4)]
+        where = [f"{P}lvalue_address(({st.exprs[x]}))" if st.exprs.get(x) else "nullptr" for x in av]
+        ains = (f"unsigned _a[4] = {{{', '.join(f'(unsigned){st.val(x)}' for x in av)}}}; "
+                f"void* const _ar[4] = {{{', '.join(where)}}}; ")
     desc_a = "0ull" if a_regs else st.val(ops[1])
     sets = " ".join(st.set(x, f"_d[{i}]") for i, x in enumerate(dv))
     return _site(f"unsigned _d[{nd}] = {{{', '.join(f'(unsigned){st.val(x)}' for x in dv)}}}; "
@@ -73,7 +76,7 @@ def wgmma(st, parts, ops):
                  f"{P}WgmmaArgs _w{{{n}, {_TYPES[a]}, {_TYPES[b]}, {int(d == 'f16')}, "
                  f"{P}imm01({trans_a}, {st.line}), {P}imm01({trans_b}, {st.line}), {P}neg({imm[0]}, {st.line}), "
                  f"{P}neg({imm[1]}, {st.line}), {desc_a}, {st.val(ops[2])}, (int)({scale_d}), "
-                 f"{'_a' if a_regs else 'nullptr'}, _d}}; {P}wgmma(&_site, {st.line}, _w, _r); {sets}")
+                 f"{'_a' if a_regs else 'nullptr'}, _d}}; {P}wgmma(&_site, {st.line}, _w, _r, _ar); {sets}")
 
 
 def mbarrier(st, parts, ops):

@@ -24,7 +24,9 @@
 //    wgmma.wait_group covers the wgmma's group, written through the addresses of the C++ variables the
 //    asm bound (they must still be alive then, as registers are on a GPU). A wgmma whose accumulators
 //    are still in flight from an earlier one chains to it, as the hardware orders same-shape
-//    accumulation. Errors: a register in flight written by another instruction; a thread's first
+//    accumulation. The variables A's registers came from read poison too until that wait, which
+//    restores them (reading them before is undefined in the ISA). Errors: a register in flight written
+//    by another instruction; a thread's first
 //    wgmma without a wgmma.fence before it; after a landing, A registers, or accumulators whose values
 //    changed, used without a wgmma.fence in between; warpgroup operands (descriptors, scale-d) that
 //    differ between threads; shared operands written by generic stores without fence.proxy.async.
@@ -37,7 +39,7 @@ struct WgmmaArgs {  // one thread's operands of a wgmma.mma_async
   int n, ta, tb, cf16, trans_a, trans_b, neg_a, neg_b;  // the statement's (the same in every thread)
   unsigned long long desc_a, desc_b;
   int scale_d;
-  const unsigned* a;  // the A fragment's 4 registers, or null (A from desc_a)
+  unsigned* a;  // the A fragment's 4 registers, or null (A from desc_a)
   unsigned* d;        // in: C, out: D (n / 2 registers, n / 4 for an f16 accumulator)
 };
 
@@ -49,6 +51,12 @@ inline int neg(unsigned long long v, int line) {  // imm-scale-a/b: 1, or -1 to 
   if ((long long)v != 1 && (long long)v != -1)
     fail(E_SYNC, line, "wgmma.mma_async: imm-scale-a/b must be 1 or -1, got %lld", (long long)v);
   return (long long)v == -1;
+}
+// The variable an "r" operand came from (poisoned while a wgmma reads it), or null for a temporary.
+template <class T>
+inline void* lvalue_address(T&& x) {
+  if constexpr (std::is_lvalue_reference_v<T&&> && sizeof(std::remove_reference_t<T>) == 4) return (void*)(&x);
+  else return nullptr;
 }
 inline unsigned poison_word() { return 0x01010101u * static_cast<unsigned char>(g.poison); }
 
@@ -132,8 +140,24 @@ CUPAGED_SIM_ASYNC_FN static long wgmma_find(const WgReg* a, size_t n, const void
   return -1;
 }
 
-// One thread's part of wgmma.mma_async: regs[i] is the variable bound to accumulator register i.
-CUPAGED_SIM_ASYNC_FN inline void wgmma(const void* site, int line, WgmmaArgs& args, void* const* regs) {
+// A register in flight (accumulator or A fragment) used again: the current variable must still hold
+// poison, and the value is the in-flight one; the older entry goes.
+CUPAGED_SIM_ASYNC_FN static bool wgmma_chain(WgThread& w, const void* reg, unsigned& value, unsigned pw, const char* what,
+                                             int i, int line) {
+  long e = wgmma_find(w.regs, w.n, reg);
+  if (e < 0) return false;
+  if (value != pw)
+    fail(E_SYNC, line, "wgmma.mma_async: %s register %d of thread %d was written by another instruction while a wgmma "
+         "on it was in flight", what, i, g.cur->linear);
+  value = w.regs[e].value;
+  memmove(w.regs + e, w.regs + e + 1, (w.n - size_t(e) - 1) * sizeof(WgReg));
+  --w.n;
+  return true;
+}
+
+// One thread's part of wgmma.mma_async: regs[i] is the variable bound to accumulator register i,
+// aregs[j] the variable A's register j came from (null: A from shared memory, or a temporary).
+CUPAGED_SIM_ASYNC_FN inline void wgmma(const void* site, int line, WgmmaArgs& args, void* const* regs, void* const* aregs) {
   SimThread* t = g.cur;
   WgThread& w = g_wgt[t->linear];
   const unsigned pw = poison_word();
@@ -143,15 +167,10 @@ CUPAGED_SIM_ASYNC_FN inline void wgmma(const void* site, int line, WgmmaArgs& ar
   if (!w.fenced && w.landed && args.a)
     fail(E_SYNC, line, "wgmma.mma_async: A registers after a wgmma.wait_group without a wgmma.fence in between (thread %d)",
          t->linear);
+  for (int j = 0; args.a && j < 4; ++j)
+    if (aregs[j]) wgmma_chain(w, aregs[j], args.a[j], pw, "A fragment", j, line);
   for (int i = 0; i < nd; ++i) {
-    long e = wgmma_find(w.regs, w.n, regs[i]);
-    if (e >= 0) {  // in flight: chained to the wgmma that writes it
-      if (args.d[i] != pw)
-        fail(E_SYNC, line, "wgmma.mma_async: accumulator register %d of thread %d was written by another instruction while "
-             "a wgmma on it was in flight", i, t->linear);
-      args.d[i] = w.regs[e].value;
-      memmove(w.regs + e, w.regs + e + 1, (w.n - size_t(e) - 1) * sizeof(WgReg));
-      --w.n;
+    if (wgmma_chain(w, regs[i], args.d[i], pw, "accumulator", i, line)) {  // chained to the wgmma writing it
     } else if (!w.fenced && w.landed && args.scale_d) {
       long l = wgmma_find(w.log, w.nlog, regs[i]);
       if (l < 0 || w.log[l].value != args.d[i])
@@ -162,9 +181,14 @@ CUPAGED_SIM_ASYNC_FN inline void wgmma(const void* site, int line, WgmmaArgs& ar
   t->xop = &args;
   warpgroup_op("wgmma.mma_async", &wgmma_compute, site, line);
   for (int i = 0; i < nd; ++i) {
-    wg_push(w.regs, w.n, w.cap, WgReg{regs[i], args.d[i], w.committed});
+    wg_push(w.regs, w.n, w.cap, WgReg{regs[i], args.d[i], w.committed, false});
     args.d[i] = pw;
   }
+  for (int j = 0; args.a && j < 4; ++j)  // A's variables read poison until the wait (the ISA: undefined)
+    if (aregs[j]) {
+      wg_push(w.regs, w.n, w.cap, WgReg{aregs[j], args.a[j], w.committed, true});
+      memcpy(aregs[j], &pw, 4);
+    }
   w.issued = true;
 }
 
@@ -184,8 +208,8 @@ CUPAGED_SIM_ASYNC_FN inline void wgmma_wait(unsigned long long pending, int line
     WgReg r = w.regs[j];
     if (r.group >= done) { w.regs[k++] = r; continue; }
     if (memcmp(r.reg, &pw, 4) != 0)
-      fail(E_SYNC, line, "wgmma.wait_group: an accumulator register of thread %d was written by another instruction while "
-           "its wgmma was in flight", g.cur->linear);
+      fail(E_SYNC, line, "wgmma.wait_group: %s register of thread %d was written by another instruction while its "
+           "wgmma was in flight", r.a_fragment ? "an A fragment" : "an accumulator", g.cur->linear);
     memcpy(r.reg, &r.value, 4);
     wg_push(w.log, w.nlog, w.logcap, r);
     w.landed = true;
