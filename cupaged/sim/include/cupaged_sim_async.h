@@ -6,9 +6,10 @@
 //  * Warpgroup-wide `.sync.aligned` instructions (wgmma.mma_async, setmaxnreg): the 128 threads of
 //    warps 4i..4i+3 all execute the same statement; the last to arrive computes every thread's result.
 //  * mbarrier objects (`mbarrier.*` on a shared b64): a phase completes when its pending arrival
-//    count and its transaction count both reach 0; then the phase number advances, the pending count
-//    is reset to the expected count, and the bulk copies that completed on the phase land in shared
-//    memory (until then their destinations hold poison). The state lives in a table of the engine,
+//    count and its transaction count both reach 0; then the phase number advances and the pending count
+//    is reset to the expected count. A bulk copy completing on an mbarrier is in flight (its destination
+//    holds poison) until a thread waits on that mbarrier: then it lands and counts its bytes on the
+//    transaction count -- the latest a GPU could complete it. The state lives in a table of the engine,
 //    keyed by the shared address, not in the 8 bytes (whose encoding on a GPU is not documented).
 //    `try_wait` suspends the thread until the phase completes and then returns true (a legal outcome
 //    of a potentially blocking test); `test_wait` never blocks: when the phase is incomplete it
@@ -184,18 +185,6 @@ CUPAGED_SIM_ASYNC_FN static bool mbar_done(int i, int parity, unsigned long long
   return parity ? (g_mbar[i].phase & 1u) != (v & 1u) : g_mbar[i].phase != v;
 }
 
-CUPAGED_SIM_ASYNC_FN static void mbar_land(int i) {
-  size_t k = 0;
-  for (size_t j = 0; j < g_nland; ++j) {
-    Landing& l = g_land[j];
-    if (l.mbar != i) { g_land[k++] = l; continue; }
-    proxy_write(l.dst, l.data, l.size);
-    CUPAGED_SIM_PROF(if (g_prof) g_pt[l.issuer].async -= l.size);
-    free(l.data);
-  }
-  g_nland = k;
-}
-
 CUPAGED_SIM_ASYNC_FN static void mbar_check(int i, int line) {
   MBar& m = g_mbar[i];
   if (m.tx > (1 << 20) - 1 || m.tx < -((1 << 20) - 1)) {
@@ -204,7 +193,6 @@ CUPAGED_SIM_ASYNC_FN static void mbar_check(int i, int line) {
     abort_fiber();
   }
   if (m.pending || m.tx) return;
-  mbar_land(i);
   ++m.phase;
   m.pending = m.expected;
   async_progress();
@@ -214,6 +202,25 @@ CUPAGED_SIM_ASYNC_FN static void mbar_check(int i, int line) {
     if (t->state == WAIT_MBAR && t->wait_id == i && mbar_done(i, t->wait_kind, t->wait_value)) ids[n++] = j;
   }
   if (n) release(ids, n);
+}
+
+// The bulk copies in flight on mbarrier i complete (land, in issue order, and count their bytes on its
+// transaction count). The sim completes them as late as it may: when a thread waits on that mbarrier.
+CUPAGED_SIM_ASYNC_FN static void mbar_copies_done(int i, int line) {
+  size_t k = 0;
+  long long bytes = 0;
+  for (size_t j = 0; j < g_nland; ++j) {
+    Landing& l = g_land[j];
+    if (l.mbar != i) { g_land[k++] = l; continue; }
+    proxy_write(l.dst, l.data, l.size);
+    CUPAGED_SIM_PROF(if (g_prof) g_pt[l.issuer].async -= l.size);
+    free(l.data);
+    bytes += (long long)l.size;
+  }
+  g_nland = k;
+  if (!bytes) return;
+  g_mbar[i].tx -= bytes;
+  mbar_check(i, line);
 }
 
 CUPAGED_SIM_ASYNC_FN static void mbar_init(unsigned long long a, long long count, int line) {
@@ -271,6 +278,7 @@ CUPAGED_SIM_ASYNC_FN __attribute__((noinline)) static bool mbar_wait(unsigned lo
   int i = mbar_find(a, line, op);
   SimThread* t = g.cur;
   CUPAGED_SIM_PROF(prof_sched_point(t));
+  mbar_copies_done(i, line);
   if (mbar_done(i, parity, v)) return true;
   t->wait_id = i;
   t->wait_kind = parity;
@@ -311,6 +319,8 @@ CUPAGED_SIM_ASYNC_FN static void land_later(unsigned long long dst, size_t size,
   }
   g_land[g_nland++] = Landing{dst, size, data, mbar, g.cur->linear};
   CUPAGED_SIM_PROF(if (g_prof) { g_pt[g.cur->linear].async += size; prof_inflight_peak(g_pt[g.cur->linear]); });
+  for (int j = 0; j < g.nthreads; ++j)  // a thread already waits on the mbarrier: the copy completes now
+    if (g.threads[j].state == WAIT_MBAR && g.threads[j].wait_id == mbar) { mbar_copies_done(mbar, g.cur->line); return; }
 }
 
 // ---------------------------------------------------------------- a thread's wgmma registers in flight

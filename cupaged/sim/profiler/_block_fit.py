@@ -17,6 +17,18 @@ and no
 block runs its copies of a line more often than the line ran (``N``: the most of the host blocks
 holding it). Ties go to fewer instructions, and a loop's iteration costs more than any block entered
 once.
+
+The run's cp.async copies anchor the LDGSTS (``_copy_anchor``): the sim counts every copy's bytes
+(``Launch.cp_async_bytes``: each lane's copy adds its size, a zero-filled one included), and a warp's
+LDGSTS of ``size`` bytes moves at most 32 lanes x size. So the LDGSTS issued hold at least those bytes
+(a deficit costs more than any other miss: the rule is all but hard), and they hold no more when every
+warp that copies copies with all its lanes, as the kernels' 16-byte tiles do (an excess costs, per
+warp-wide copy, the most instructions a copying block has per copy: more than any line's miss in that
+block). Without it, a helper's lines (an LDGSTS's own line is the asm statement's, which the host
+build gives another line) that g++ keeps in one function called from several places, while ptxas
+copies them into each (a cp.async pipeline's prologue and its loop), bound each SASS copy by the
+total of all, not their sum: the fp8 decode kernel was fitted at twice its copies, and prefill's
+head-256 tiles at half.
 """
 
 from __future__ import annotations
@@ -124,9 +136,30 @@ def _principal(line, candidates, blocks, sass_lines: set, host_blocks, fallback)
     return candidates[0], fallback
 
 
-def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_blocks=()):
+def _copy_bytes(opcode: str) -> int:
+    """The bytes one lane of an LDGSTS copies: 16 (``.128``), 8 (``.64``) or 4."""
+    parts = opcode.split(".")
+    return 16 if "128" in parts else 8 if "64" in parts else 4
+
+
+def _copy_anchor(blocks, running, copy_bytes, warps):
+    """(terms: (block column, warp-wide bytes its LDGSTS move per execution / 512), the run's copy bytes
+    per warp / 512, the excess's cost per unit), or None when no running block copies or the count is
+    unknown."""
+    terms, worst = [], 0.0
+    for v, k in enumerate(running):
+        cap = sum(32 * _copy_bytes(op) for op in blocks[k].opcodes if op.startswith("LDGSTS")) / 512
+        if cap:
+            terms.append((v, cap))
+            worst = max(worst, len(blocks[k].opcodes) / cap)
+    if copy_bytes is None or not terms:
+        return None
+    return terms, copy_bytes / 512 / warps, worst
+
+
+def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_blocks=(), copy_bytes=None):
     """(executions per warp of each running block, (misfit, the weighed line counts)) or (None, the
-    solver's message)."""
+    solver's message). ``copy_bytes``: the run's cp.async bytes (None: no anchor)."""
     import numpy as np
     from scipy.optimize import linprog
 
@@ -141,7 +174,8 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
     edge = {pair: n + i for i, pair in enumerate(edges)}
     observed = [line for line in copies if line in line_executions]
     pairs = [(line, var[k], c) for line in observed for k, c in copies[line].items()]
-    short0 = n + len(edges)
+    anchor = _copy_anchor(blocks, running, copy_bytes, warps)
+    short0 = n + len(edges) + (2 if anchor else 0)  # the anchor's deficit and excess before the lines' misses
     excess0 = short0 + len(observed)
     width = excess0 + len(pairs)
     cost = np.zeros(width)
@@ -163,7 +197,8 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
         if succs[u] and not blocks[running[u]].exits:
             ub.add([(u, 1.0)] + [(edge[u, s], -1.0) for s in succs[u]], 0.0)
     depth = [0] * n
-    most = 4 * max(line_executions.values(), default=0) / warps + 1  # iterations per entry, at most
+    # iterations per entry, at most: 4 x the most any line ran (or the warp-wide copies) per warp, + 1
+    most = 4 * max(max(line_executions.values(), default=0) / warps, anchor[1] if anchor else 0) + 1
     loops = _loops(n, succs, preds)
     for header, body in loops.items():
         for v in body:
@@ -188,6 +223,13 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
     for j, (line, v, c) in enumerate(pairs):
         ub.add([(v, float(c)), (excess0 + j, -1.0)], line_executions[line] / warps)
         cost[excess0 + j] = blocks[running[v]].lines.count(line) / c
+    if anchor:
+        terms, bytes_per_warp, worst = anchor
+        deficit, excess = n + len(edges), n + len(edges) + 1
+        ub.add([(v, -c) for v, c in terms] + [(deficit, -1.0)], -bytes_per_warp)
+        ub.add(terms + [(excess, -1.0)], bytes_per_warp)
+        cost[deficit] = sum(len(blocks[k].opcodes) for k in running)
+        cost[excess] = worst
     result = linprog(cost, A_ub=ub.matrix(width) if ub.rhs else None, b_ub=ub.rhs or None, A_eq=eq.matrix(width),
                      b_eq=eq.rhs, bounds=(0, None), method="highs")
     if result.status != 0:

@@ -1,4 +1,5 @@
-"""The warp-level SASS instructions a profiled sim launch issues on sm_90 (``Launch.warp_instructions``).
+"""The warp-level SASS instructions a profiled sim launch issues on an H200 (``Launch.warp_instructions``):
+its sm_90a code (the model GPU's ``arch``; wgmma needs sm_90a, and a kernel without it has sm_90's SASS).
 
 Two facts are combined. The SASS: the kernel's own cubin as basic blocks (``_sass.py``), each
 instruction with its source line. The run: the profiled build (``-fsanitize-coverage=trace-pc``) counts
@@ -102,14 +103,15 @@ def _copies(blocks, running, unrolled_alone=None) -> dict:
 
 
 def count_instructions(blocks, line_executions: dict, warps: int, host_blocks=(),
-                       unrolled_alone=None) -> InstructionCount:
+                       unrolled_alone=None, copy_bytes=None) -> InstructionCount:
     """The warp instructions of ``blocks`` (``_sass.SassBlock``) run by ``warps`` warps whose
-    warp-level executions per source line were ``line_executions`` (see above)."""
+    warp-level executions per source line were ``line_executions`` (see above) and whose cp.async copies
+    moved ``copy_bytes`` (None: not known; they anchor the LDGSTS, ``_block_fit._copy_anchor``)."""
     running = [k for k, b in enumerate(blocks) if not b.never]
     if warps <= 0 or not running:
         return InstructionCount(0, dict.fromkeys(("total", *_sass.CLASSES), 0), {}, 0.0)
     copies = _copies(blocks, running, unrolled_alone)
-    per_warp, detail = _block_fit.fit(blocks, running, copies, line_executions, warps, host_blocks)
+    per_warp, detail = _block_fit.fit(blocks, running, copies, line_executions, warps, host_blocks, copy_bytes)
     if per_warp is None:
         return InstructionCount(None, None, {}, None, f"the block fit failed: {detail}")
     mix = dict.fromkeys(_sass.CLASSES, 0.0)
@@ -129,8 +131,12 @@ def count_instructions(blocks, line_executions: dict, warps: int, host_blocks=()
     return InstructionCount(total, mix, by_line, misfit / weighed if weighed else 0.0, by_opcode=by_opcode)
 
 
-def launch_instructions(launch, arch: str = "sm_90") -> InstructionCount:
-    """The count of a profiled launch (``_profile.Launch``), or why there is none."""
+def launch_instructions(launch, arch: str | None = None) -> InstructionCount:
+    """The count of a profiled launch (``_profile.Launch``) for ``arch`` (default: the H200 model's), or why
+    there is none."""
+    from cupaged.sim import model
+
+    arch = arch or model.H200.arch
     try:
         import scipy.optimize  # noqa: F401
     except ImportError:
@@ -144,4 +150,4 @@ def launch_instructions(launch, arch: str = "sm_90") -> InstructionCount:
         return InstructionCount(None, None, {}, None, str(e))
     threads = launch.block[0] * launch.block[1] * launch.block[2]
     return count_instructions(blocks, launch.line_executions, launch.ctas_profiled * -(-threads // 32),
-                              launch.host_blocks, _loop_lines(launch.source)[1])
+                              launch.host_blocks, _loop_lines(launch.source)[1], launch.cp_async_bytes)

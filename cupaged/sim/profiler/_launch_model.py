@@ -33,7 +33,7 @@ class LaunchModel:
     sector_efficiency: float
     wavefronts: int
     bank_conflicts: int
-    terms_us: dict            # each term of model.TERM_NAMES, its time summed over the waves
+    terms_us: dict            # each term of model.TERM_NAMES, then the mma term's model.MMA_PARTS, summed over the waves
     warp_instructions: int | None  # warp instructions issued over the whole grid (None: not counted)
     instruction_mix: dict | None   # the launch's instruction_mix, scaled to the whole grid likewise
 
@@ -102,7 +102,9 @@ def model_of(launch, ctas: int | None = None, gpu: _model.GPU = _model.H200) -> 
     terms = _model.Terms(unique_bytes=unique / ran, bytes=requested / ran,
                          inflight_bytes=launch.max_inflight_bytes_per_cta, wavefronts=launch.shared.wavefronts / ran,
                          mma_flops=launch.mma_flops / ran, warp_instructions=(counted or 0) / ran,
-                         mufu_instructions=(mix or {}).get("mufu", 0) / ran)
+                         mufu_instructions=(mix or {}).get("mufu", 0) / ran,
+                         gmma_flops=getattr(launch, "gmma_flops", 0) / ran,
+                         gmma_fp8_flops=getattr(launch, "gmma_fp8_flops", 0) / ran)
     time_us, bound, waves, terms_us = _model.launch_time_us(terms, ctas, per_sm, gpu)
     scale = ctas / ran
     declared = launch.declared

@@ -43,12 +43,17 @@ _FP32 = ("FFMA", "FADD", "FMUL", "FMNMX", "FSETP", "FSET", "FSEL", "FCHK", "FRND
          "FFMA2", "FMUL2", "HFMA2", "HADD2", "HMUL2", "HMNMX2", "HSETP2", "HSET2")
 _MEMORY = ("LDG", "STG", "LDS", "STS", "LD", "ST", "LDL", "STL", "LDC", "ULDC", "LDGSTS", "LDSM", "STSM", "ATOM",
            "ATOMS", "ATOMG", "RED", "REDG", "REDAS", "UBLKCP", "UBLKRED", "UBLKPF", "UTMALDG", "UTMASTG", "UTMAPF",
-           "UTMAREDG", "UTMACCTL", "CCTL", "LDTRAM", "SUST", "SULD", "SUATOM", "TLD", "TEX", "TLD4", "TXQ")
+           "UTMAREDG", "UTMACCTL", "CCTL", "LDTRAM", "SUST", "SULD", "SUATOM", "TLD", "TEX", "TLD4", "TXQ", "SYNCS",
+           "ARRIVES")
 
 
 def opcode_class(opcode: str) -> str:
-    """mma (HMMA and the wgmma GMMA family), fp32 (FP arithmetic and compares, half2 included), mufu,
-    memory (loads, stores, async and bulk copies, atomics), or int_control (the rest)."""
+    """mma (HMMA and the wgmma GMMA family: HGMMA for 16-bit inputs, QGMMA for fp8, IGMMA, BGMMA), fp32 (FP
+    arithmetic and compares, half2 included), mufu, memory (loads, stores, async copies, the bulk and tensor
+    copies UBLKCP / UTMALDG / UTMASTG / UTMAPF / UTMACCTL, atomics, and the mbarrier operations SYNCS.* and
+    ARRIVES.*, which live in shared memory), or int_control (the rest: WARPGROUP.ARRIVE / DEPBAR, which order
+    GMMA work as BAR and DEPBAR do, among them). Each is one warp instruction: the model's issue term prices all
+    alike, its mma and byte terms the work behind them."""
     base = opcode.split(".")[0]
     if base in _MMA:
         return "mma"

@@ -3,9 +3,9 @@
 // tensor map), cp.async.mbarrier.arrive, elect.sync and setmaxnreg. The state they share (mbarriers,
 // named barriers, warpgroups, the async proxy's view of shared memory) is cupaged_sim_async.h's.
 //
-// Bulk and tensor copies into shared memory read their source when issued (bounds-checked then), signal
-// complete_tx on their mbarrier at once, and land when the mbarrier's phase completes -- the latest
-// moment a GPU may land them; until then the destination holds poison, as a racing read could see.
+// Bulk and tensor copies into shared memory read their source when issued (bounds-checked then) and
+// complete (land, and signal complete_tx on their mbarrier) when a thread waits on that mbarrier -- the
+// latest moment a GPU may complete them; until then the destination holds poison, as a racing read sees.
 // Copies out of shared memory read it through the async proxy and write global memory when issued
 // (the earliest moment): `cp.async.bulk.commit_group / wait_group` then have nothing left to wait for.
 //
@@ -85,7 +85,6 @@ inline void bulk_load(unsigned long long dst, unsigned long long src, unsigned l
   bulk_count(size);
   proxy_write(dst, nullptr, size);  // poison until the phase completes
   land_later(dst, size, data, i);
-  mbar_tx(g_mbar[i].addr, -(long long)size, line, op);
 }
 
 // cp.async.bulk.global.shared::cta.bulk_group [dst], [src], size
@@ -177,7 +176,6 @@ inline void tensor_load(unsigned long long dst, unsigned long long map, const lo
   bulk_count(bytes);
   proxy_write(dst, nullptr, bytes);
   land_later(dst, bytes, data, i);
-  mbar_tx(g_mbar[i].addr, -(long long)bytes, line, op);
 }
 
 // cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group [map, {c}], [src]
