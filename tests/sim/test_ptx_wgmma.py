@@ -180,6 +180,23 @@ def test_registers_in_flight_read_poison():
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("order", ["natural", "reverse", "random:5"])
+def test_a_warp_missing_the_wgmma_is_an_error(monkeypatch, order):
+    """wgmma is warpgroup-wide: a warp that skips it leaves the other three waiting (never a hang)."""
+    monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
+    code = source(16, "bf16", "bf16", "f32", False).replace('asm volatile("{\\n.reg .pred p;',
+                                                             'if (threadIdx.x < 96) asm volatile("{\\n.reg .pred p;')
+    assert "threadIdx.x < 96" in code
+    lbo, sbo, size = layout(64, 2, "K", "none")
+    f = raw_module(Backend("sim"), code).get_function("wg")
+    image = sim.zeros(4096, np.uint8)
+    args = (image, np.int32(4096), sim.zeros((128, 4), np.uint32), np.uint64(isa.descriptor(0, lbo, sbo, "none")),
+            np.uint64(isa.descriptor(2048, lbo, sbo, "none")), sim.zeros((128, 8), np.float32),
+            sim.empty((128, 8), np.float32), np.int32(1))
+    with pytest.raises(sim.SimSyncError, match="warpgroup"):
+        f((1,), (128,), args, shared_mem=4096 + 1024)
+
+
 @pytest.mark.parametrize("case", CASES[:4])
 def test_sources_compile_for_sm90a(case):
     n, ta, tb, acc, a_regs, ma, mb, *_ = case
