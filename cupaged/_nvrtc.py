@@ -1,8 +1,9 @@
-"""A minimal ctypes binding to NVRTC: source string -> cubin, without a GPU or a driver.
+"""A minimal ctypes binding to NVRTC: source string -> cubin (and its PTX), without a GPU or a driver.
 
 CuPy's compile paths want a device and its ``getCUBIN`` returns the cubin one byte short, so the
 compile gate and the resource report call NVRTC directly. Only a real architecture (``sm_80``,
-``sm_90``, ...) is accepted: the point is to run ptxas and get machine code, not PTX.
+``sm_90``, the arch-specific ``sm_90a``, ...) is accepted: the point is to run ptxas and get machine
+code; the PTX ptxas assembled comes back beside it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class CompiledProgram:
     cubin: bytes
     lowered_names: dict[str, str]
     log: str
+    ptx: str = ""  # what ptxas assembled: setmaxnreg's immediates are read from it (_resource_cache.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +68,8 @@ def _lib() -> ctypes.CDLL:
         "nvrtcGetProgramLog": [p, ctypes.c_char_p],
         "nvrtcGetCUBINSize": [p, ctypes.POINTER(sz)],
         "nvrtcGetCUBIN": [p, ctypes.c_char_p],
+        "nvrtcGetPTXSize": [p, ctypes.POINTER(sz)],
+        "nvrtcGetPTX": [p, ctypes.c_char_p],
         "nvrtcGetLoweredName": [p, cp, cpp],
     }
     for name, argtypes in signatures.items():
@@ -124,12 +128,17 @@ def compile_cubin(source: str, *, arch: str = "sm_90", options=(), name_expressi
         _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize", log)
         buf = ctypes.create_string_buffer(size.value)
         _check(lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN", log)
+        ptx_size = ctypes.c_size_t()
+        _check(lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx_size)), "nvrtcGetPTXSize", log)
+        ptx = ctypes.create_string_buffer(ptx_size.value)
+        _check(lib.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX", log)
         lowered = {}
         for name in name_expressions:
             mangled = ctypes.c_char_p()
             _check(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(mangled)),
                    f"nvrtcGetLoweredName({name})", log)
             lowered[name] = mangled.value.decode()
-        return CompiledProgram(cubin=buf.raw[: size.value], lowered_names=lowered, log=log)
+        return CompiledProgram(cubin=buf.raw[: size.value], lowered_names=lowered, log=log,
+                               ptx=ptx.value.decode(errors="replace"))
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

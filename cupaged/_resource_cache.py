@@ -6,6 +6,11 @@ The numbers are ptxas's own: NVRTC 13 passes ``-Xptxas=-v`` through and ptxas's 
 lands in the program log. (The cubin's ``.nv.info.<kernel>`` sections carry the register count but
 no spill counts, so the log is the only real source for those.) ptxas lists, after each entry
 function, the non-inlined device functions it calls; their spills are charged to that kernel.
+A Hopper kernel's ``setmaxnreg.dec/.inc`` immediates, the registers per thread each warpgroup role
+keeps after it, come from the PTX ptxas assembled (its own and those of the functions it calls),
+beside ptxas's count at launch. ptxas ignores setmaxnreg where it cannot tell the register count at
+entry (no ``__launch_bounds__`` / ``__maxnreg__``, or setmaxnreg in a called function; always under
+``-G``) and says so only in the log, unattributed: such a kernel is marked ``setmaxnreg_ignored``.
 
 Results are cached per (family, arch) in the ``resources`` directory of the per-user cache
 (``cupaged/sim/_cache.py``), keyed by the source, options, name expressions, arch, the NVRTC
@@ -43,6 +48,8 @@ class KernelResources:
     shared_bytes: int     # static __shared__ only; dynamic shared memory is a launch parameter
     stack_bytes: int      # local memory per thread, callees included: local arrays and spills
     mangled_name: str
+    setmaxnreg: tuple = ()         # ("dec 40", "inc 232"): registers per thread after each setmaxnreg, in order
+    setmaxnreg_ignored: bool = False  # ptxas dropped them (the log's C7505 / C7508): no register split
 
     @property
     def spills(self) -> bool:
@@ -80,6 +87,41 @@ def _parse_ptxas_log(log: str, arch: str) -> dict[str, tuple[int, int, int, int,
     return stats
 
 
+_PTX_FUNCTION = re.compile(r"^[ \t]*(?:\.(?:visible|weak|extern)\s+)*\.(entry|func)\s+(?:\([^)]*\)\s*)?([\w$]+)",
+                           re.M)
+_SETMAXNREG = re.compile(r"\bsetmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
+_CALL = re.compile(r"\bcall(?:\.uni)?\s+(?:\([^)]*\)\s*,\s*)?([\w$]+)")
+_BOUNDS = re.compile(r"^\s*\.(?:maxntid|maxnreg)\b", re.M)
+
+
+def _setmaxnreg(ptx: str, log: str) -> dict[str, tuple[tuple, bool]]:
+    """kernel (mangled) -> (its setmaxnreg immediates in PTX order, ignored by ptxas), for kernels that
+    have any. Ignored: where ptxas said so, a kernel it cannot have known the entry count of (no
+    .maxntid / .maxnreg, or setmaxnreg in a callee); every such kernel when none of them is that."""
+    parts = _PTX_FUNCTION.split(ptx)
+    bodies: dict[str, str] = {}
+    entries = []
+    for kind, name, body in zip(parts[1::3], parts[2::3], parts[3::3]):  # a declaration, then the definition
+        bodies[name] = bodies.get(name, "") + body
+        entries += [name] if kind == "entry" else []
+    found, suspects = {}, set()
+    for name in dict.fromkeys(entries):
+        body = bodies[name]
+        own, seen, todo, called = _SETMAXNREG.findall(body), {name}, _CALL.findall(body), []
+        while todo:
+            callee = todo.pop()
+            if callee not in seen and callee in bodies:
+                seen.add(callee)
+                called += _SETMAXNREG.findall(bodies[callee])
+                todo += _CALL.findall(bodies[callee])
+        if own or called:
+            found[name] = tuple(dict.fromkeys(f"{op} {n}" for op, n in own + called))
+            if called or not _BOUNDS.search(body.partition("{")[0]):
+                suspects.add(name)
+    ignored = "'setmaxnreg' ignored" in log
+    return {name: (values, ignored and (name in suspects or not suspects)) for name, values in found.items()}
+
+
 def compile_resources(source: str, name_expressions, arch: str, options=("-std=c++17",),
                       family: str = "source") -> list[KernelResources]:
     """Compile ``source`` for ``arch`` and return ptxas's statistics for every kernel in it.
@@ -96,7 +138,9 @@ def compile_resources(source: str, name_expressions, arch: str, options=("-std=c
         raise RuntimeError(f"ptxas reported nothing for {missing} ({arch}); log:\n{program.log}")
     by_mangled = {m: n for n, m in program.lowered_names.items()}
     order = {n: i for i, n in enumerate(names)}
-    records = [KernelResources(family, by_mangled.get(m, m), arch, *s, mangled_name=m)
+    regs = _setmaxnreg(program.ptx, program.log)
+    records = [KernelResources(family, by_mangled.get(m, m), arch, *s, mangled_name=m,
+                               setmaxnreg=regs.get(m, ((), False))[0], setmaxnreg_ignored=regs.get(m, ((), False))[1])
                for m, s in stats.items()]
     return sorted(records, key=lambda r: (order.get(r.name_expression, len(order)), r.name_expression))
 
@@ -120,8 +164,8 @@ def load(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return [KernelResources(**r) for r in json.load(f)]
-    except (ValueError, TypeError):
+            return [KernelResources(**{**r, "setmaxnreg": tuple(r.get("setmaxnreg", ()))}) for r in json.load(f)]
+    except (ValueError, TypeError, AttributeError):
         return None
 
 

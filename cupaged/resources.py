@@ -1,9 +1,15 @@
 """Compile gate and static resource report: registers, spills, shared and local memory per kernel.
 
-``python -m cupaged.resources [stem ...] [--arch sm_90] [--jobs N] [--no-cache]`` compiles every
-name expression of every kernel family with NVRTC for sm_80 and sm_90 (no GPU or driver needed),
-prints one table, and exits with status 1 on any compile error or register spill: every kernel
-must compile for both architectures without spills. Progress goes to stderr as each (family, arch)
+``python -m cupaged.resources [stem ...] [--arch sm_90] [--source FILE.cu [--name EXPR]] [--jobs N]
+[--no-cache]`` compiles every name expression of every kernel family with NVRTC for sm_80 and sm_90
+(no GPU or driver needed), prints one table, and exits with status 1 on any compile error or
+register spill: every kernel must compile for both architectures without spills. A Hopper family
+(``KernelFamily(..., arch="sm_90a")``) is compiled for sm_90a instead, and only where the archs asked
+for hold sm_90 or sm_90a: never for sm_80 / sm_86 / sm_89. Kernels that use ``setmaxnreg`` show the
+registers per thread after each ``setmaxnreg.dec/.inc`` beside ptxas's count at launch; one whose
+setmaxnreg ptxas ignored fails the gate too. ``--source`` gates a standalone .cu file (own headers
+inlined; every kernel in it, plus the ``--name`` expressions) for the ``--arch`` given, e.g.
+``--source tests/hopper_gemm.cu --arch sm_90a``. Progress goes to stderr as each (family, arch)
 finishes: a bar on a terminal, one line each otherwise.
 
 Results are cached per (family, arch) in the per-user cache (``cupaged/_resource_cache.py``: keyed
@@ -25,15 +31,36 @@ import multiprocessing
 import os
 import sys
 import time
+import types
 
 from cupaged._notice import quiet
 from cupaged._nvrtc import NvrtcError
 from cupaged._resource_cache import KernelResources, cache_path, compile_resources, load, store
 
-__all__ = ["ARCHS", "KernelResources", "compile_resources", "compile_families",
-           "kernel_resources", "run_gate", "main"]
+__all__ = ["ARCHS", "KernelResources", "compile_resources", "compile_families", "family_archs",
+           "kernel_resources", "run_gate", "source_family", "main"]
 
 ARCHS = ("sm_80", "sm_90")
+
+
+def family_archs(family, archs) -> tuple:
+    """The archs ``family`` is compiled for out of ``archs``: all of them; for an arch-specific family
+    (``family.arch``, e.g. sm_90a) its own arch where ``archs`` hold it or its base (sm_90), else none."""
+    own = getattr(family, "arch", None)
+    if own is None:
+        return tuple(archs)
+    return (own,) if any(a in (own, own.rstrip("af")) for a in archs) else ()
+
+
+def source_family(path, name_expressions=(), options=("-std=c++17",)):
+    """A standalone .cu file as a family for the gate: stem = its name, its own headers inlined, every
+    kernel in it reported (``name_expressions`` for templates); compiled for the archs asked for."""
+    from cupaged import _runtime
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return types.SimpleNamespace(stem=stem, source=_runtime._inline(path, {os.path.realpath(path)}),
+                                 name_expressions=tuple(name_expressions), options=tuple(options), arch=None)
+
 
 def _task(stem, source, names, options, arch):
     """One (family, arch) compile in a worker: (records or the compile error, seconds)."""
@@ -106,7 +133,7 @@ def compile_families(families=None, archs=ARCHS, jobs=None, *, cache=True, progr
 def _compile(families, archs, jobs, cache, progress):
     """compile_families, and how many results came from the cache."""
     tasks = [(f.stem, f.source, tuple(f.name_expressions), tuple(f.options), arch)
-             for f in _select(families) for arch in archs]
+             for f in _select(families) for arch in family_archs(f, archs)]
     tasks.sort(key=lambda t: -len(t[2]))  # big families first, for load balance
     paths = {t: cache_path(*t) for t in tasks}
     cached = {t: hit for t in tasks if cache and (hit := load(paths[t])) is not None}
@@ -151,11 +178,18 @@ def kernel_resources(families=None, archs=ARCHS, jobs=None) -> list[KernelResour
     return [r for key in sorted(outcomes) for r in outcomes[key]]
 
 
+def _marks(rec) -> str:
+    return ("  SPILLS" if rec.spills else "") + ("  SETMAXNREG IGNORED" if rec.setmaxnreg_ignored else "")
+
+
 def _table(records) -> str:
     header = ("family", "name expression", "arch", "registers", "spill stores", "spill loads",
               "static smem", "local/stack")
     rows = [(r.family, r.name_expression, r.arch, r.registers, r.spill_stores, r.spill_loads,
              r.shared_bytes, r.stack_bytes) for r in records]
+    if any(r.setmaxnreg for r in records):  # registers per thread after each setmaxnreg (Hopper)
+        header += ("after setmaxnreg",)
+        rows = [(*row, " / ".join(r.setmaxnreg)) for row, r in zip(rows, records)]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row, mark=""):
@@ -163,8 +197,7 @@ def _table(records) -> str:
         return (" | ".join(cells) + mark).rstrip()
 
     rule = "-+-".join("-" * w for w in widths)
-    return "\n".join([line(header), rule] + [line(row, "  SPILLS" if rec.spills else "")
-                                             for row, rec in zip(rows, records)])
+    return "\n".join([line(header), rule] + [line(row, _marks(rec)) for row, rec in zip(rows, records)])
 
 
 def run_gate(families=None, archs=ARCHS, jobs=None, file=None, *, cache=True, progress=None) -> int:
@@ -182,24 +215,37 @@ def run_gate(families=None, archs=ARCHS, jobs=None, file=None, *, cache=True, pr
     for (stem, arch), err in failed.items():
         print(f"\nCOMPILE ERROR in {stem} ({arch}): {err}", file=file)
     spilling = sum(r.spills for r in records)
+    ignored = sum(r.setmaxnreg_ignored for r in records)
     families_done = len({stem for stem, _ in outcomes})
     cached = f" ({hits} of {len(outcomes)} family x arch results cached; --no-cache recompiles)" if hits else ""
     print(f"\n{families_done} families, {len(records)} kernels x arch in {elapsed:.1f} s{cached}: "
-          f"{spilling} with spills, {len(failed)} compile errors", file=file)
-    return 1 if spilling or failed else 0
+          f"{spilling} with spills, {len(failed)} compile errors"
+          + (f", {ignored} with setmaxnreg ignored by ptxas" if ignored else ""), file=file)
+    return 1 if spilling or failed or ignored else 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupaged.resources", description=__doc__.split("\n")[0])
     parser.add_argument("stems", nargs="*", help="kernel families to compile (default: all)")
-    parser.add_argument("--arch", action="append", help="real architecture, repeatable (default: sm_80 and sm_90)")
+    parser.add_argument("--arch", action="append",
+                        help="real architecture, repeatable (default: sm_80 and sm_90; Hopper families: sm_90a)")
+    parser.add_argument("--source", action="append", default=[], metavar="FILE.cu",
+                        help="gate a standalone .cu file too (repeatable): every kernel in it, for the --arch given")
+    parser.add_argument("--name", action="append", default=[], metavar="EXPR",
+                        help="a name expression (template instantiation) to compile in each --source")
     parser.add_argument("--jobs", type=int, default=None, help="worker processes (default: one per CPU)")
     parser.add_argument("--no-cache", action="store_true",
                         help="recompile every family and arch instead of reusing cached results (then cache them)")
     args = parser.parse_args(argv)
+    if args.name and not args.source:
+        parser.error("--name applies to a --source file")
     try:
-        return run_gate(args.stems or None, tuple(args.arch or ARCHS), args.jobs, cache=not args.no_cache,
-                        progress=sys.stderr)
+        sources = [source_family(path, args.name) for path in args.source]
+    except OSError as err:  # a --source that cannot be read
+        parser.error(str(err))
+    try:
+        return run_gate([*args.stems, *sources] or None, tuple(args.arch or ARCHS), args.jobs,
+                        cache=not args.no_cache, progress=sys.stderr)
     except ValueError as err:  # an unknown stem or a virtual architecture
         parser.error(str(err))
 

@@ -113,6 +113,23 @@ def raw_module(backend: Backend, code: str, name_expressions=(), options=("-std=
     return _runtime._cuda_module(0, code, options, names, None)
 
 
+def hopper_module(backend: Backend, code: str, name_expressions=(), options=("-std=c++17",)):
+    """``code`` (wgmma, setmaxnreg, TMA: sm_90a) compiled for ``backend`` as raw_module does, but on cuda
+    for sm_90a (cupaged._runtime.cuda_arch_options); skipped "no GPU ..." unless device 0 has compute
+    capability 9.0, the one that loads sm_90a code."""
+    from cupaged import _runtime
+
+    names, options = tuple(name_expressions), tuple(options)
+    if backend.name == "sim":
+        return _runtime.sim_module(code, options, names, None)
+    import cupy
+
+    cc = str(cupy.cuda.Device(0).compute_capability)
+    if cc != "90":
+        pytest.skip(f"no GPU of compute capability 9.0 for sm_90a code: device 0 is sm_{cc}")
+    return _runtime._cuda_module(0, code, options, names, None, _runtime.HOPPER)
+
+
 def cuda_arch_at_least(backend: Backend, cc: int) -> bool:
     """True on the sim (it runs every instruction it knows); on cuda, compute capability >= cc."""
     if backend.name == "sim":

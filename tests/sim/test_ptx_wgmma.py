@@ -18,7 +18,7 @@ import pytest
 
 from cupaged import _nvrtc, sim
 from cupaged.sim._memory import poison_byte
-from tests.conftest import Backend, raw_module
+from tests.conftest import Backend, hopper_module, raw_module
 from tests.sim import hopper_isa as isa
 
 DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16, "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -109,7 +109,7 @@ def run_case(backend, n, ta, tb, acc, a_regs, major_a="K", major_b="K", swz_a="n
         c_in = c_in.view(np.uint32)
         want = want.view(np.uint32)
     nd = c_in.shape[1]
-    mod = raw_module(backend, source(n, ta, tb, acc, a_regs, int(major_a == "MN"), int(major_b == "MN"), neg_a, neg_b,
+    mod = hopper_module(backend, source(n, ta, tb, acc, a_regs, int(major_a == "MN"), int(major_b == "MN"), neg_a, neg_b,
                                      **kw))
     f = mod.get_function("wg")
     f.max_dynamic_shared_size_bytes = image.size + 1024
