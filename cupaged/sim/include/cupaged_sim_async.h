@@ -16,9 +16,9 @@
 //    yields to the other threads and returns false.
 //  * The async proxy's view of shared memory: wgmma and bulk copies read shared memory through the
 //    async proxy, which sees generic stores only after a `fence.proxy.async`. The sim keeps a second
-//    image of shared memory that async-proxy writes update and a fence refreshes (from the whole
-//    of shared memory, lazily at the next async access); an async-proxy read of bytes on which the
-//    two images differ is a SimSyncError: a generic store that no fence ordered before the read.
+//    image of shared memory that async-proxy writes update and a fence refreshes (a copy of the whole
+//    of shared memory); an async-proxy read of bytes on which the two images differ is a SimSyncError:
+//    a generic store that no fence ordered before the read.
 //    (One thread's fence publishes every thread's earlier stores here: a missing fence is caught
 //    when no thread fenced, not when another thread's fence happened to come later.)
 // A wait that can never complete -- every thread blocked, or test_wait spinning while nothing else
@@ -41,8 +41,9 @@ CUPAGED_SIM_ASYNC_FN __attribute__((noinline)) static void named_barrier(int id,
   SimThread* t = g.cur;
   const char* op = wait ? "bar.sync" : "bar.arrive";
   if (id < 0 || id >= kNamedBars) { set_error(E_SYNC, "%s (line %d): barrier id %d is outside 0..15", op, line, id); abort_fiber(); }
-  if (count < 0) count = g.nthreads;  // no count: every thread of the CTA
-  if (count == 0 || (count % 32 && count != g.nthreads) || count > g.nthreads) {
+  const bool all = count < 0;  // no count: every thread of the CTA
+  if (all) count = g.nthreads;
+  if (count == 0 || (count % 32 && !all) || count > g.nthreads) {
     set_error(E_SYNC, "%s %d, %d (line %d): the thread count must be a multiple of 32 in 32..%d (the block's threads)",
               op, id, count, line, g.nthreads);
     abort_fiber();
@@ -120,23 +121,25 @@ CUPAGED_SIM_ASYNC_FN __attribute__((noinline)) static void warpgroup_op(const ch
 // ---------------------------------------------------------------- the async proxy's view of shared memory
 static unsigned char* g_proxy;  // the second image, g_proxy_cap bytes
 static size_t g_proxy_cap;
-static bool g_proxy_init, g_proxy_fenced;
+static bool g_proxy_init;  // false: the image is the block's initial shared memory (poison)
 
-CUPAGED_SIM_ASYNC_FN static void proxy_sync() {
+CUPAGED_SIM_ASYNC_FN static void proxy_image(bool from_smem) {
   if (g_proxy_cap < g.smem_size) {
     free(g_proxy);
     g_proxy_cap = size_t(g.smem_size);
     g_proxy = static_cast<unsigned char*>(malloc(g_proxy_cap));
   }
-  if (!g_proxy_init && !g_proxy_fenced) memset(g_proxy, g.poison, size_t(g.smem_size));  // as the block began
-  else if (g_proxy_fenced) memcpy(g_proxy, g.smem_base, size_t(g.smem_size));
+  if (from_smem) memcpy(g_proxy, g.smem_base, size_t(g.smem_size));
+  else memset(g_proxy, g.poison, size_t(g.smem_size));
   g_proxy_init = true;
-  g_proxy_fenced = false;
 }
+CUPAGED_SIM_ASYNC_FN static void proxy_sync() { if (!g_proxy_init) proxy_image(false); }
+// fence.proxy.async: the async proxy sees every generic store made so far.
+CUPAGED_SIM_ASYNC_FN static void proxy_fence() { proxy_image(true); }
 
 // An async-proxy read of shared [a, a + n): every byte must be what the async proxy sees.
 CUPAGED_SIM_ASYNC_FN static void proxy_read(unsigned long long a, size_t n, const char* op, int line) {
-  if (!g_proxy_init || g_proxy_fenced) proxy_sync();
+  proxy_sync();
   if (memcmp(g_proxy + a, g.smem_base + a, n) == 0) return;
   size_t i = 0;
   while (g_proxy[a + i] == static_cast<unsigned char>(g.smem_base[a + i])) ++i;
@@ -147,7 +150,7 @@ CUPAGED_SIM_ASYNC_FN static void proxy_read(unsigned long long a, size_t n, cons
 
 // An async-proxy write (a bulk copy landing): both images.
 CUPAGED_SIM_ASYNC_FN static void proxy_write(unsigned long long a, const void* data, size_t n) {
-  if (!g_proxy_init || g_proxy_fenced) proxy_sync();
+  proxy_sync();
   if (data) { memcpy(g.smem_base + a, data, n); memcpy(g_proxy + a, data, n); }
   else { memset(g.smem_base + a, g.poison, n); memset(g_proxy + a, g.poison, n); }
 }
@@ -185,12 +188,18 @@ CUPAGED_SIM_ASYNC_FN static bool mbar_done(int i, int parity, unsigned long long
   return parity ? (g_mbar[i].phase & 1u) != (v & 1u) : g_mbar[i].phase != v;
 }
 
+static void mbar_copies_done(int i, int line);
+
 CUPAGED_SIM_ASYNC_FN static void mbar_check(int i, int line) {
   MBar& m = g_mbar[i];
   if (m.tx > (1 << 20) - 1 || m.tx < -((1 << 20) - 1)) {
     set_error(E_SYNC, "inline PTX (line %d): the mbarrier at shared 0x%llx has a transaction count of %lld, outside "
               "the ISA's range of +-(2^20 - 1)", line, m.addr, m.tx);
     abort_fiber();
+  }
+  if (!m.pending && m.tx) {  // the arrivals are in: copies in flight complete if a thread waits
+    for (int j = 0; j < g.nthreads; ++j)
+      if (g.threads[j].state == WAIT_MBAR && g.threads[j].wait_id == i) { mbar_copies_done(i, line); return; }
   }
   if (m.pending || m.tx) return;
   ++m.phase;
@@ -205,8 +214,10 @@ CUPAGED_SIM_ASYNC_FN static void mbar_check(int i, int line) {
 }
 
 // The bulk copies in flight on mbarrier i complete (land, in issue order, and count their bytes on its
-// transaction count). The sim completes them as late as it may: when a thread waits on that mbarrier.
+// transaction count). The sim completes them as late as it may: once every arrival of the phase is in
+// and a thread waits on that mbarrier.
 CUPAGED_SIM_ASYNC_FN static void mbar_copies_done(int i, int line) {
+  if (g_mbar[i].pending) return;  // the phase lacks arrivals: the copies may stay in flight
   size_t k = 0;
   long long bytes = 0;
   for (size_t j = 0; j < g_nland; ++j) {
@@ -309,6 +320,12 @@ CUPAGED_SIM_ASYNC_FN static void mbar_inval(unsigned long long a, int line) {
       set_error(E_SYNC, "inline PTX (line %d): mbarrier.inval on shared 0x%llx while thread %d waits on it", line, a, j);
       abort_fiber();
     }
+  for (size_t j = 0; j < g_nland; ++j)
+    if (g_land[j].mbar == i) {
+      set_error(E_SYNC, "inline PTX (line %d): mbarrier.inval on shared 0x%llx while a bulk copy completing on it is in "
+                "flight", line, a);
+      abort_fiber();
+    }
   g_mbar[i].live = false;
 }
 
@@ -321,6 +338,48 @@ CUPAGED_SIM_ASYNC_FN static void land_later(unsigned long long dst, size_t size,
   CUPAGED_SIM_PROF(if (g_prof) { g_pt[g.cur->linear].async += size; prof_inflight_peak(g_pt[g.cur->linear]); });
   for (int j = 0; j < g.nthreads; ++j)  // a thread already waits on the mbarrier: the copy completes now
     if (g.threads[j].state == WAIT_MBAR && g.threads[j].wait_id == mbar) { mbar_copies_done(mbar, g.cur->line); return; }
+}
+
+// ---------------------------------------------------------------- bulk stores (shared -> global) in flight
+// A store out of shared memory reads its source (through the async proxy) and writes global memory when
+// a cp.async.bulk.wait_group(.read) covers its bulk group, or when its thread exits: the latest a GPU
+// may, so shared memory overwritten before the wait is what the store writes.
+struct BulkStore {
+  unsigned long long dst, src;  // a plain copy: global dst, shared src; a tensor copy (rank > 0): src only
+  size_t size;
+  unsigned group;
+  int line, rank;
+  long long c[5];
+  unsigned char map[128];  // the tensor map's image
+};
+struct StoreQueue {
+  BulkStore* q;
+  size_t n, cap;
+  unsigned committed;
+};
+static StoreQueue g_stores[kMaxThreads];
+namespace ptx { static void bulk_store_run(const BulkStore& s); }  // cupaged_sim_hopper.h
+
+CUPAGED_SIM_ASYNC_FN static void bulk_stores_wait(int linear, unsigned long long pending) {
+  StoreQueue& q = g_stores[linear];
+  const unsigned done = pending >= q.committed ? 0u : q.committed - unsigned(pending);
+  size_t k = 0;
+  for (size_t j = 0; j < q.n; ++j) {
+    if (q.q[j].group >= done) { q.q[k++] = q.q[j]; continue; }
+    BulkStore s = q.q[j];
+    ptx::bulk_store_run(s);
+  }
+  q.n = k;
+}
+
+CUPAGED_SIM_ASYNC_FN static void bulk_store_push(const BulkStore& s) {
+  StoreQueue& q = g_stores[g.cur->linear];
+  if (q.n == q.cap) {
+    q.cap = q.cap ? 2 * q.cap : 16;
+    q.q = static_cast<BulkStore*>(realloc(q.q, q.cap * sizeof(BulkStore)));
+  }
+  q.q[q.n] = s;
+  q.q[q.n++].group = q.committed;
 }
 
 // ---------------------------------------------------------------- a thread's wgmma registers in flight
@@ -353,6 +412,8 @@ CUPAGED_SIM_ASYNC_FN static void wg_push(WgReg*& a, size_t& n, size_t& cap, WgRe
 // ---------------------------------------------------------------- block start, thread exit, deadlock report
 CUPAGED_SIM_ASYNC_FN static void async_block_start() {
   for (int i = 0; i < g.nthreads; ++i) {
+    g_stores[i].n = 0;
+    g_stores[i].committed = 0;
     WgThread& w = g_wgt[i];
     w.n = w.nlog = 0;
     w.committed = 0;
@@ -364,10 +425,12 @@ CUPAGED_SIM_ASYNC_FN static void async_block_start() {
   for (size_t j = 0; j < g_nland; ++j) free(g_land[j].data);
   g_nland = 0;
   g_spins = 0;
-  g_proxy_init = g_proxy_fenced = false;
+  g_proxy_init = false;
 }
 
 CUPAGED_SIM_ASYNC_FN static void async_thread_exit(SimThread* t) {
+  ++g_stores[t->linear].committed;  // its stores complete as it exits
+  bulk_stores_wait(t->linear, 0);
   if (128 * (t->linear / 128 + 1) <= g.nthreads && g_wg[t->linear / 128].active) {
     WgOp& w = g_wg[t->linear / 128];
     set_error(E_SYNC, "%s (line %d) is a warpgroup-wide .sync.aligned instruction: thread %d exited while its warpgroup "

@@ -13,27 +13,34 @@ warp's path through the control-flow graph, SIMT):
 Soft rules, each miss costing the block's instructions of the line per copy: a line's principal block
 (of its instances that look like a host block holding it, the most deeply looped, then the one with
 most of its instructions: ``_principal``) runs its copies at least as often as those host blocks ran,
-and no
-block runs its copies of a line more often than the line ran (``N``: the most of the host blocks
+and no block runs its copies of a line more often than the line ran (``N``: the most of the host blocks
 holding it). Ties go to fewer instructions, and a loop's iteration costs more than any block entered
 once.
 
-The run's cp.async copies anchor the LDGSTS (``_copy_anchor``): the sim counts every copy's bytes
-(``Launch.cp_async_bytes``: each lane's copy adds its size, a zero-filled one included), and a warp's
-LDGSTS of ``size`` bytes moves at most 32 lanes x size. So the LDGSTS issued hold at least those bytes
-(a deficit costs more than any other miss: the rule is all but hard), and they hold no more when every
-warp that copies copies with all its lanes, as the kernels' 16-byte tiles do (an excess costs, per
-warp-wide copy, the most instructions a copying block has per copy: more than any line's miss in that
-block). Without it, a helper's lines (an LDGSTS's own line is the asm statement's, which the host
-build gives another line) that g++ keeps in one function called from several places, while ptxas
-copies them into each (a cp.async pipeline's prologue and its loop), bound each SASS copy by the
-total of all, not their sum: the fp8 decode kernel was fitted at twice its copies, and prefill's
-head-256 tiles at half.
+Anchors: counts of the run that fix how often some instructions issue (``_ANCHORS``, ``_anchors``).
+Each warp-level issue of such an instruction does at most a known amount of the count, so the issues
+do at least the count (a deficit costs more than all the instructions together: all but hard):
+- cp.async: the sim adds each lane's copy size to ``Launch.cp_async_bytes`` (zero-filled copies
+  included), and an LDGSTS of s bytes a lane (``.128``: 16) moves at most 32 x s. They do no more where
+  every warp that copies copies with all its lanes, as the attention kernels' 16-byte tiles do: an
+  excess costs, per warp-wide copy, the most instructions a copying block has per copy (more than a
+  line's miss in that block). Copies of some lanes only (MLA's 72-chunk rows, a last round of 8
+  lanes) may exceed the bytes' count, paid for.
+- wgmma: a warpgroup's wgmma is issued by its 4 warps, each a GMMA doing a quarter of its 2 M N K
+  FLOPs (M N K from the opcode, HGMMA.64x128x16): ``gmma_flops`` (HGMMA) and ``gmma_fp8_flops``
+  (QGMMA) fix them exactly (an excess costs like a deficit).
+Without them the copies followed lines alone, and those say little: an LDGSTS's own line (one line
+of its asm statement) is not the host build's (another line of it), and a pipeline's issue is one
+host function, run for every tile, that ptxas copies into the prologue and the loop, each SASS copy
+bounded by the total of all. The fit was off by up to 2x either way (64 x 4096 decode, sampled CTAs:
+fp8 8,064 LDGSTS for 4,096 copied, fp16 4,224 for 8,192), and 18x on tests/hopper_gemm.cu's HGMMA
+(a helper's lines inside a loop that ptxas alone unrolls: one copy each).
 """
 
 from __future__ import annotations
 
 import collections
+import re
 
 __all__ = ["fit"]
 
@@ -142,24 +149,40 @@ def _copy_bytes(opcode: str) -> int:
     return 16 if "128" in parts else 8 if "64" in parts else 4
 
 
-def _copy_anchor(blocks, running, copy_bytes, warps):
-    """(terms: (block column, warp-wide bytes its LDGSTS move per execution / 512), the run's copy bytes
-    per warp / 512, the excess's cost per unit), or None when no running block copies or the count is
-    unknown."""
-    terms, worst = [], 0.0
-    for v, k in enumerate(running):
-        cap = sum(32 * _copy_bytes(op) for op in blocks[k].opcodes if op.startswith("LDGSTS")) / 512
-        if cap:
-            terms.append((v, cap))
-            worst = max(worst, len(blocks[k].opcodes) / cap)
-    if copy_bytes is None or not terms:
-        return None
-    return terms, copy_bytes / 512 / warps, worst
+def _gmma_flops(opcode: str) -> int | None:
+    """The FLOPs one warp's issue of a GMMA does (a quarter of its warpgroup's 2 M N K), or None."""
+    shape = re.search(r"\.(\d+)x(\d+)x(\d+)", opcode)
+    return None if shape is None else 2 * int(shape[1]) * int(shape[2]) * int(shape[3]) // 4
 
 
-def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_blocks=(), copy_bytes=None):
+# (opcode, the run's count of what it does, what one warp's issue of it does at most, exact: every issue
+# does all of it, as a warpgroup-wide wgmma does; a cp.async's lanes may be partly inactive)
+_ANCHORS = (("LDGSTS", "cp_async_bytes", lambda op: 32 * _copy_bytes(op), False),
+            ("HGMMA", "gmma_flops", _gmma_flops, True), ("QGMMA", "gmma_fp8_flops", _gmma_flops, True))
+
+
+def _anchors(blocks, running, run: dict, warps: int) -> list:
+    """(terms: (block column, its instructions' share of the count per execution), the run's count per
+    warp, the deficit's cost per unit, the excess's) of each count in ``run`` that anchors instructions
+    of running blocks; a unit is the least one instruction does."""
+    out, total = [], sum(len(blocks[k].opcodes) for k in running)
+    for name, key, each, exact in _ANCHORS:
+        found = [(v, [each(op) for op in blocks[k].opcodes if op.split(".")[0] == name])
+                 for v, k in enumerate(running)]
+        found = [(v, does) for v, does in found if does]
+        if (run or {}).get(key) is None or not found or None in {d for _, does in found for d in does}:
+            continue
+        unit = min(d for _, does in found for d in does)
+        terms = [(v, sum(does) / unit) for v, does in found]
+        worst = max(len(blocks[running[v]].opcodes) / share for v, share in terms)
+        out.append((terms, run[key] / unit / warps, total, total if exact else worst))
+    return out
+
+
+def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_blocks=(), run=None):
     """(executions per warp of each running block, (misfit, the weighed line counts)) or (None, the
-    solver's message). ``copy_bytes``: the run's cp.async bytes (None: no anchor)."""
+    solver's message). ``run``: the launch's counts that anchor instructions (``_ANCHORS``: cp_async_bytes,
+    gmma_flops, gmma_fp8_flops; a count missing or None anchors nothing)."""
     import numpy as np
     from scipy.optimize import linprog
 
@@ -174,8 +197,8 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
     edge = {pair: n + i for i, pair in enumerate(edges)}
     observed = [line for line in copies if line in line_executions]
     pairs = [(line, var[k], c) for line in observed for k, c in copies[line].items()]
-    anchor = _copy_anchor(blocks, running, copy_bytes, warps)
-    short0 = n + len(edges) + (2 if anchor else 0)  # the anchor's deficit and excess before the lines' misses
+    anchors = _anchors(blocks, running, run, warps)
+    short0 = n + len(edges) + 2 * len(anchors)  # the anchors' deficits and excesses before the lines' misses
     excess0 = short0 + len(observed)
     width = excess0 + len(pairs)
     cost = np.zeros(width)
@@ -197,8 +220,8 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
         if succs[u] and not blocks[running[u]].exits:
             ub.add([(u, 1.0)] + [(edge[u, s], -1.0) for s in succs[u]], 0.0)
     depth = [0] * n
-    # iterations per entry, at most: 4 x the most any line ran (or the warp-wide copies) per warp, + 1
-    most = 4 * max(max(line_executions.values(), default=0) / warps, anchor[1] if anchor else 0) + 1
+    # iterations per entry, at most: 4 x the most any line ran (or an anchor's count) per warp, + 1
+    most = 4 * max([v / warps for v in line_executions.values()] + [a[1] for a in anchors], default=0) + 1
     loops = _loops(n, succs, preds)
     for header, body in loops.items():
         for v in body:
@@ -223,13 +246,11 @@ def fit(blocks, running, copies: dict, line_executions: dict, warps: int, host_b
     for j, (line, v, c) in enumerate(pairs):
         ub.add([(v, float(c)), (excess0 + j, -1.0)], line_executions[line] / warps)
         cost[excess0 + j] = blocks[running[v]].lines.count(line) / c
-    if anchor:
-        terms, bytes_per_warp, worst = anchor
-        deficit, excess = n + len(edges), n + len(edges) + 1
-        ub.add([(v, -c) for v, c in terms] + [(deficit, -1.0)], -bytes_per_warp)
-        ub.add(terms + [(excess, -1.0)], bytes_per_warp)
-        cost[deficit] = sum(len(blocks[k].opcodes) for k in running)
-        cost[excess] = worst
+    for j, (terms, count, below, above) in enumerate(anchors):
+        deficit, excess = n + len(edges) + 2 * j, n + len(edges) + 2 * j + 1
+        ub.add([(v, -c) for v, c in terms] + [(deficit, -1.0)], -count)
+        ub.add(terms + [(excess, -1.0)], count)
+        cost[deficit], cost[excess] = below, above
     result = linprog(cost, A_ub=ub.matrix(width) if ub.rhs else None, b_ub=ub.rhs or None, A_eq=eq.matrix(width),
                      b_eq=eq.rhs, bounds=(0, None), method="highs")
     if result.status != 0:

@@ -103,15 +103,15 @@ def _copies(blocks, running, unrolled_alone=None) -> dict:
 
 
 def count_instructions(blocks, line_executions: dict, warps: int, host_blocks=(),
-                       unrolled_alone=None, copy_bytes=None) -> InstructionCount:
+                       unrolled_alone=None, run=None) -> InstructionCount:
     """The warp instructions of ``blocks`` (``_sass.SassBlock``) run by ``warps`` warps whose
-    warp-level executions per source line were ``line_executions`` (see above) and whose cp.async copies
-    moved ``copy_bytes`` (None: not known; they anchor the LDGSTS, ``_block_fit._copy_anchor``)."""
+    warp-level executions per source line were ``line_executions`` (see above); ``run``: the launch's
+    counts that anchor instructions (cp.async bytes, wgmma FLOPs: ``_block_fit._ANCHORS``)."""
     running = [k for k, b in enumerate(blocks) if not b.never]
     if warps <= 0 or not running:
         return InstructionCount(0, dict.fromkeys(("total", *_sass.CLASSES), 0), {}, 0.0)
     copies = _copies(blocks, running, unrolled_alone)
-    per_warp, detail = _block_fit.fit(blocks, running, copies, line_executions, warps, host_blocks, copy_bytes)
+    per_warp, detail = _block_fit.fit(blocks, running, copies, line_executions, warps, host_blocks, run)
     if per_warp is None:
         return InstructionCount(None, None, {}, None, f"the block fit failed: {detail}")
     mix = dict.fromkeys(_sass.CLASSES, 0.0)
@@ -150,4 +150,5 @@ def launch_instructions(launch, arch: str | None = None) -> InstructionCount:
         return InstructionCount(None, None, {}, None, str(e))
     threads = launch.block[0] * launch.block[1] * launch.block[2]
     return count_instructions(blocks, launch.line_executions, launch.ctas_profiled * -(-threads // 32),
-                              launch.host_blocks, _loop_lines(launch.source)[1], launch.cp_async_bytes)
+                              launch.host_blocks, _loop_lines(launch.source)[1],
+                              {key: getattr(launch, key, None) for _, key, _, _ in _block_fit._ANCHORS})

@@ -33,7 +33,7 @@ class LaunchModel:
     sector_efficiency: float
     wavefronts: int
     bank_conflicts: int
-    terms_us: dict            # each term of model.TERM_NAMES, then the mma term's model.MMA_PARTS, summed over the waves
+    terms_us: dict            # each of model.TERM_NAMES, then the mma term's MMA_PARTS: summed over the waves
     warp_instructions: int | None  # warp instructions issued over the whole grid (None: not counted)
     instruction_mix: dict | None   # the launch's instruction_mix, scaled to the whole grid likewise
 

@@ -1,6 +1,7 @@
 """A launched kernel's SASS as basic blocks, for the issued-instruction count (``_instructions.py``).
 
-The truth is the kernel's own sm_90 cubin: NVRTC compiles the launch's source with its options plus
+The truth is the kernel's own cubin for the H200 model's sm_90a (for code without wgmma the same as
+sm_90's): NVRTC compiles the launch's source with its options plus
 ``-lineinfo`` (line tables only: the code is the same) and ``nvdisasm -c -g`` disassembles it, each
 instruction with its source line. The blocks are the kernel's control-flow graph as a warp can run it:
 - ``BRA.DIV`` (a collective's test for a diverged warp) never branches: the sim's warps reach every
@@ -103,7 +104,9 @@ _SECTION = re.compile(r"^//-+ \.text\.(\S+)")
 _FILE = re.compile(r'^\s*//## File "([^"]+)", line (\d+)')
 _LABEL = re.compile(r"^([.$\w]+):\s*$")
 _FUNCTION = re.compile(r"^\s*\.type\s+([^,\s]+),@function")
-_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
+# an opcode is capitals, digits and dots, but for a GMMA's shape: HGMMA.64x128x16.F32.BF16
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?"
+                          r"([A-Z][A-Z0-9_.]*(?:x[0-9]+)*[A-Z0-9_.]*)\s*(.*?)\s*;")
 _TARGET = re.compile(r"`\(([^)]+)\)")
 
 

@@ -33,12 +33,15 @@ REG_CTYPE = {1: "unsigned char", 2: "unsigned short", 4: "unsigned", 8: "unsigne
 SPECIAL = {"%laneid": f"{P}laneid()", "%warpid": f"{P}warpid()", "%lanemask_eq": f"(1u << {P}laneid())",
             "%lanemask_lt": f"((1u << {P}laneid()) - 1u)", "%lanemask_le": f"((2u << {P}laneid()) - 1u)",
             "%lanemask_gt": f"(~((2u << {P}laneid()) - 1u))", "%lanemask_ge": f"(~((1u << {P}laneid()) - 1u))",
-            **{f"%{r}.{a}": f"{v}.{a}" for r, v in (("tid", "threadIdx"), ("ntid", "blockDim"), ("ctaid", "blockIdx"),
-                                                     ("nctaid", "gridDim")) for a in "xyz"},
+            # the source was preprocessed before the rewrite: threadIdx & co. are spelled as their macros expand
+            **{f"%{r}.{a}": f"::cupaged_sim::{v}.{a}" for r, v in (("tid", "g.cur->tid"), ("ntid", "g.block"),
+                                                                   ("ctaid", "g.block_idx"), ("nctaid", "g.grid"))
+               for a in "xyz"},
             # a launch is one cluster of one CTA per cluster (the sim runs no clusters)
             "%cluster_ctarank": "0u", "%cluster_nctarank": "1u", "%is_explicit_cluster": "0u",
             **{f"%cluster_ctaid.{a}": "0u" for a in "xyz"}, **{f"%cluster_nctaid.{a}": "1u" for a in "xyz"},
-            **{f"%clusterid.{a}": f"blockIdx.{a}" for a in "xyz"}, **{f"%nclusterid.{a}": f"gridDim.{a}" for a in "xyz"}}
+            **{f"%clusterid.{a}": f"::cupaged_sim::g.block_idx.{a}" for a in "xyz"},
+            **{f"%nclusterid.{a}": f"::cupaged_sim::g.grid.{a}" for a in "xyz"}}
 
 def size_of(t: str) -> int:
     return BITS_SIZE[re.sub(r"^[a-z]+|x2$", "", t)] * (2 if t.endswith("x2") else 1)
@@ -61,6 +64,7 @@ class Statement:
         self.vars = {o.var for o in operands}
         self.lvalues = {o.var: f"_cpo{o.index}" for o in operands if o.output}  # output var -> its C++ lvalue
         self.exprs = {o.var: o.expr for o in operands if not o.output}  # input var -> its C++ expression
+        self.letters = {o.var: o.letter for o in operands}  # var -> its constraint letter
         self.locals: dict[str, str] = {}  # PTX name -> C++ name
         self.preds: set[str] = set()  # C++ names of .pred locals
         self.line, self.where = line, where

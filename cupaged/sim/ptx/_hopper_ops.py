@@ -107,11 +107,13 @@ def mbarrier(st, parts, ops):
     return None
 
 
-def _tensor_operand(st, tok):
+def _tensor_operand(st, tok, rank):
     m = re.fullmatch(r"\[\s*([^,\]]+?)\s*,\s*\{(.*)\}\s*\]", tok.strip(), re.S)
     if not m:
         raise st.error(f"{st.opcode}: expected [tensor-map, {{coordinates}}], got {tok.strip()!r}")
     coords = [c for c in (x.strip() for x in m.group(2).split(",")) if c]
+    if len(coords) != rank:
+        raise st.error(f"{st.opcode}: a {rank}d copy takes {rank} coordinates, got {len(coords)}")
     return st.val(m.group(1)), coords
 
 
@@ -123,9 +125,9 @@ def cp(st, parts, ops):
         return _memory_ops.cp(st, parts, ops)
     rest, name = parts[3:], f'"{st.opcode}"'
     if rest == ["commit_group"] and not ops:
-        return ";"  # stores write global memory when issued: nothing is left to wait for
+        return f"{P}bulk_commit();"
     if rest in (["wait_group"], ["wait_group", "read"]) and len(ops) == 1:
-        return ";"
+        return f"{P}bulk_wait({st.val(ops[0])});"  # the sim's stores read and write at once
     hint = "L2::cache_hint" in rest
     rest = [p for p in rest if p != "L2::cache_hint"]
     if hint:
@@ -140,11 +142,11 @@ def cp(st, parts, ops):
         rank = int(m.group(1))
         if mode in (["shared::cluster", "global", "mbarrier::complete_tx::bytes"],
                     ["shared::cta", "global", "mbarrier::complete_tx::bytes"]) and len(ops) == 3:
-            tmap, coords = _tensor_operand(st, ops[1])
+            tmap, coords = _tensor_operand(st, ops[1], rank)
             return (f"const long long _c[{rank}] = {{{', '.join(f'(long long)(int){st.val(c)}' for c in coords)}}}; "
                     f"{P}tensor_load({st.addr(ops[0])}, {tmap}, _c, {len(coords)}, {st.addr(ops[2])}, {st.line}, {name});")
         if mode in (["global", "shared::cta", "bulk_group"],) and len(ops) == 2:
-            tmap, coords = _tensor_operand(st, ops[0])
+            tmap, coords = _tensor_operand(st, ops[0], rank)
             return (f"const long long _c[{rank}] = {{{', '.join(f'(long long)(int){st.val(c)}' for c in coords)}}}; "
                     f"{P}tensor_store({tmap}, _c, {len(coords)}, {st.addr(ops[1])}, {st.line}, {name});")
         return None
@@ -159,12 +161,14 @@ def cp(st, parts, ops):
 
 def sync(st, parts, ops):
     if parts[0] == "fence" and parts[1:3] == ["proxy", "async"] and len(parts) <= 4:
-        return f"{E}g_proxy_fenced = true;"
+        return f"{E}proxy_fence();"
     if parts[0] == "fence" and parts[1:] == ["mbarrier_init", "release", "cluster"]:
         return ";"  # a one-CTA cluster: mbarrier.init is visible to the CTA already
     named = parts[0] in ("bar", "barrier") and len(ops) in (1, 2) and \
         [p for p in parts[1:] if p not in ("cta", "aligned")] in (["sync"], ["arrive"])
-    if named and not (len(ops) == 1 and ops[0].strip() == "0" and "sync" in parts):
+    if named and len(ops) == 1 and ops[0].strip() == "0" and "sync" in parts:  # __syncthreads, in any spelling
+        return f"static const char _site = 0; {E}barrier(0, 0, {st.line}, &_site);"
+    if named:
         count = f"(int){st.val(ops[1])}" if len(ops) == 2 else "-1"
         if "arrive" in parts and len(ops) != 2:
             return None
@@ -186,9 +190,11 @@ def setmaxnreg(st, parts, ops):
     if len(parts) != 5 or parts[1] not in ("inc", "dec") or parts[2:] != ["sync", "aligned", "u32"] or len(ops) != 1:
         return None
     tok = ops[0].strip()
-    if re.fullmatch(r"\d+", tok) and (int(tok) % 8 or not 24 <= int(tok) <= 256):
-        raise st.error(f"{st.opcode}: the register count must be a multiple of 8 in 24..256, got {tok}")
-    return _site(f"{P}setmaxnreg(&_site, (unsigned){st.val(ops[0])}, {st.line});")
+    if st.letters.get(tok) in ("n", "i"):  # an "n" operand: its C++ expression must be a literal
+        tok = st.exprs.get(tok, "").strip()
+    if not re.fullmatch(r"\d+", tok) or int(tok) % 8 or not 24 <= int(tok) <= 256:
+        raise st.error(f"{st.opcode}: the register count must be an immediate, a multiple of 8 in 24..256, got {tok}")
+    return _site(f"{P}setmaxnreg(&_site, {tok}u, {st.line});")
 
 
 def hint(st, parts, ops):

@@ -107,6 +107,8 @@ def ldst(st, parts, ops):
 def mov(st, parts, ops):
     if len(parts) != 2 or len(ops) != 2:
         return None
+    if parts[1] == "pred":
+        return f"{st.lv(ops[0])} = ({st.val(ops[1])}) != 0;"
     size = size_of(parts[1])
     d, a = ops[0].strip(), ops[1].strip()
     if a.startswith("{"):

@@ -6,8 +6,9 @@
 // Bulk and tensor copies into shared memory read their source when issued (bounds-checked then) and
 // complete (land, and signal complete_tx on their mbarrier) when a thread waits on that mbarrier -- the
 // latest moment a GPU may complete them; until then the destination holds poison, as a racing read sees.
-// Copies out of shared memory read it through the async proxy and write global memory when issued
-// (the earliest moment): `cp.async.bulk.commit_group / wait_group` then have nothing left to wait for.
+// Copies out of shared memory are checked when issued and run -- read shared memory through the async
+// proxy, write global memory -- when `cp.async.bulk.wait_group(.read)` covers their bulk group or their
+// thread exits: the latest moment, so a stage overwritten before the wait is what gets written.
 //
 // Tensor maps are the sim's own 128-byte encoding written by cupaged.make_tensor_map (the fields of
 // cuTensorMapEncodeTiled; see cupaged/_tensor_map.py). A tile load of a box at coordinates c reads, for
@@ -53,15 +54,21 @@ inline void cp_async_mbarrier_arrive(unsigned long long a, bool noinc, int line)
 }
 
 // ---- bulk copies
+// The profiler's build checks no access (it has no table of the launch's arrays): see docs/sim.md.
+#if defined(CUPAGED_SIM_PROFILE)
+#define CUPAGED_SIM_UNPROF(...)
+#else
+#define CUPAGED_SIM_UNPROF(...) __VA_ARGS__
+#endif
 inline void bulk_count(size_t bytes) { CUPAGED_SIM_PROF(if (g_prof) g_prof->bulk_copy_bytes += bytes); }
 
 CUPAGED_SIM_ASYNC_FN inline void bulk_read_global(unsigned char* to, unsigned long long src, size_t n) {
-  cupaged_sim_check_slow(uintptr_t(src), n, 0);  // a read past an array is reported, naming it
+  CUPAGED_SIM_UNPROF(cupaged_sim_check_slow(uintptr_t(src), n, 0));  // a read past an array is reported, naming it
   memcpy(to, reinterpret_cast<const void*>(uintptr_t(src)), n);
   CUPAGED_SIM_PROF(if (g_prof) prof_record(uintptr_t(src), unsigned(n), false, prof_line_site(g.cur->line)));
 }
 CUPAGED_SIM_ASYNC_FN inline void bulk_write_global(unsigned long long dst, const unsigned char* from, size_t n) {
-  cupaged_sim_check_slow(uintptr_t(dst), n, 1);  // only into the launch's arrays
+  CUPAGED_SIM_UNPROF(cupaged_sim_check_slow(uintptr_t(dst), n, 1));  // only into the launch's arrays
   memcpy(reinterpret_cast<void*>(uintptr_t(dst)), from, n);
   CUPAGED_SIM_PROF(if (g_prof) prof_record(uintptr_t(dst), unsigned(n), true, prof_line_site(g.cur->line)));
 }
@@ -87,16 +94,17 @@ inline void bulk_load(unsigned long long dst, unsigned long long src, unsigned l
   land_later(dst, size, data, i);
 }
 
-// cp.async.bulk.global.shared::cta.bulk_group [dst], [src], size
+// cp.async.bulk.global.shared::cta.bulk_group [dst], [src], size: checked now, run at its wait
 inline void bulk_store(unsigned long long dst, unsigned long long src, unsigned long long size, int line, const char* op) {
-  g.cur->line = line;
   if (size == 0 || size % 16) fail(E_MEMORY, line, "%s: size %llu is not a positive multiple of 16", op, size);
   if (dst % 16) fail(E_MEMORY, line, "%s: global destination 0x%llx is not 16-byte aligned", op, dst);
   check_shared_range(src, size, 16, line, op);
-  proxy_read(src, size, op, line);
-  bulk_count(size);
-  bulk_write_global(dst, reinterpret_cast<unsigned char*>(g.smem_base + src), size);
+  BulkStore s{};
+  s.dst = dst; s.src = src; s.size = size; s.line = line;
+  bulk_store_push(s);
 }
+inline void bulk_commit() { ++g_stores[g.cur->linear].committed; }
+inline void bulk_wait(unsigned long long pending) { bulk_stores_wait(g.cur->linear, pending); }
 
 // ---- tensor maps (the layout cupaged/_tensor_map.py writes)
 struct TensorMap {
@@ -178,15 +186,29 @@ inline void tensor_load(unsigned long long dst, unsigned long long map, const lo
   land_later(dst, bytes, data, i);
 }
 
-// cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group [map, {c}], [src]
+// cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group [map, {c}], [src]: checked now, run at its wait
 inline void tensor_store(unsigned long long map, const long long* c, int rank, unsigned long long src, int line, const char* op) {
-  g.cur->line = line;
   TensorMap m = tensor_map(map, rank, line, op);
-  size_t bytes = tensor_bytes(m);
-  check_tensor_smem(m, src, bytes, line, op);
-  proxy_read(src, bytes, op, line);
-  bulk_count(bytes);
-  tensor_box(m, c, src, reinterpret_cast<unsigned char*>(g.smem_base + src), bytes, true);
+  check_tensor_smem(m, src, tensor_bytes(m), line, op);
+  BulkStore s{};
+  s.src = src; s.size = tensor_bytes(m); s.line = line; s.rank = rank;
+  for (int d = 0; d < rank; ++d) s.c[d] = c[d];
+  memcpy(s.map, &m, sizeof m);
+  bulk_store_push(s);
+}
+
+CUPAGED_SIM_ASYNC_FN static void bulk_store_run(const BulkStore& s) {
+  const char* op = s.rank ? "cp.async.bulk.tensor (a store)" : "cp.async.bulk (a store)";
+  g.cur->line = s.line;
+  proxy_read(s.src, s.size, op, s.line);
+  bulk_count(s.size);
+  if (!s.rank) {
+    bulk_write_global(s.dst, reinterpret_cast<unsigned char*>(g.smem_base + s.src), s.size);
+    return;
+  }
+  TensorMap m;
+  memcpy(&m, s.map, sizeof m);
+  tensor_box(m, s.c, s.src, reinterpret_cast<unsigned char*>(g.smem_base + s.src), s.size, true);
 }
 
 // ---- elect.sync, setmaxnreg
