@@ -109,8 +109,8 @@ def run_case(backend, n, ta, tb, acc, a_regs, major_a="K", major_b="K", swz_a="n
         c_in = c_in.view(np.uint32)
         want = want.view(np.uint32)
     nd = c_in.shape[1]
-    mod = hopper_module(backend, source(n, ta, tb, acc, a_regs, int(major_a == "MN"), int(major_b == "MN"), neg_a, neg_b,
-                                     **kw))
+    code = source(n, ta, tb, acc, a_regs, int(major_a == "MN"), int(major_b == "MN"), neg_a, neg_b, **kw)
+    mod = hopper_module(backend, code)
     f = mod.get_function("wg")
     f.max_dynamic_shared_size_bytes = image.size + 1024
     out = backend.empty((128, nd), c_in.dtype)
@@ -155,32 +155,43 @@ def test_broken_layout_is_caught():
     assert not np.array_equal(got, wrong)
 
 
-def test_missing_proxy_fence_is_an_error():
+ORDERS = ["natural", "reverse", "random:5"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_missing_proxy_fence_is_an_error(monkeypatch, order):
+    monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
     with pytest.raises(sim.SimSyncError, match="fence.proxy.async"):
         run_case(Backend("sim"), 16, "bf16", "bf16", "f32", False, "K", "K", "none", "none", fence_proxy=False)
 
 
-def test_missing_wgmma_fence_is_an_error():
+@pytest.mark.parametrize("order", ORDERS)
+def test_missing_wgmma_fence_is_an_error(monkeypatch, order):
+    monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
     with pytest.raises(sim.SimSyncError, match="wgmma.fence"):
         run_case(Backend("sim"), 16, "bf16", "bf16", "f32", False, "K", "K", "none", "none", fence_wgmma=False)
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("between, what", [("d[3] = 1.0f;", "accumulator"), ("a[2] = 7u;", "A fragment")])
-def test_registers_written_in_flight_are_an_error(between, what):
+def test_registers_written_in_flight_are_an_error(monkeypatch, order, between, what):
+    monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
     with pytest.raises(sim.SimSyncError, match=f"{what} register"):
         run_case(Backend("sim"), 16, "f16", "f16", "f32", True, between=between)
 
 
-def test_registers_in_flight_read_poison():
+@pytest.mark.parametrize("order", ORDERS)
+def test_registers_in_flight_read_poison(monkeypatch, order):
     """Until wait_group covers the wgmma, its accumulators and the variables A came from hold poison
     (the kernel traps otherwise), and the wait lands the results and restores A."""
     word = f"{poison_byte() * 0x01010101}u"
+    monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
     check = f"if (__float_as_uint(d[0]) != {word} || a[3] != {word}) __trap();"
     got, want = run_case(Backend("sim"), 16, "f16", "f16", "f32", True, between=check)
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("order", ["natural", "reverse", "random:5"])
+@pytest.mark.parametrize("order", ORDERS)
 def test_a_warp_missing_the_wgmma_is_an_error(monkeypatch, order):
     """wgmma is warpgroup-wide: a warp that skips it leaves the other three waiting (never a hang)."""
     monkeypatch.setenv("CUPAGED_SIM_ORDER", order)
@@ -214,8 +225,7 @@ def test_wgmma_every_shape(n, types):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ma, sa, mb, sb", [(ma, sa, mb, sb) for ma, sa, mb, sb in
-                                            itertools.product("K MN".split(), isa.SWIZZLES, "K MN".split(), isa.SWIZZLES)])
+@pytest.mark.parametrize("ma, sa, mb, sb", list(itertools.product(["K", "MN"], isa.SWIZZLES, ["K", "MN"], isa.SWIZZLES)))
 def test_wgmma_every_layout(ma, sa, mb, sb):
     got, want = run_case(Backend("sim"), 48, "f16", "f16", "f32", False, ma, mb, sa, sb)
     np.testing.assert_array_equal(got, want)

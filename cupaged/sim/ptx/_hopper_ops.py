@@ -144,7 +144,8 @@ def cp(st, parts, ops):
                     ["shared::cta", "global", "mbarrier::complete_tx::bytes"]) and len(ops) == 3:
             tmap, coords = _tensor_operand(st, ops[1], rank)
             return (f"const long long _c[{rank}] = {{{', '.join(f'(long long)(int){st.val(c)}' for c in coords)}}}; "
-                    f"{P}tensor_load({st.addr(ops[0])}, {tmap}, _c, {len(coords)}, {st.addr(ops[2])}, {st.line}, {name});")
+                    f"{P}tensor_load({st.addr(ops[0])}, {tmap}, _c, {len(coords)}, {st.addr(ops[2])}, {st.line}, "
+                    f"{name});")
         if mode in (["global", "shared::cta", "bulk_group"],) and len(ops) == 2:
             tmap, coords = _tensor_operand(st, ops[0], rank)
             return (f"const long long _c[{rank}] = {{{', '.join(f'(long long)(int){st.val(c)}' for c in coords)}}}; "

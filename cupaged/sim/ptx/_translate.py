@@ -29,9 +29,10 @@ EMULATED = ("mma.sync.aligned.m16n8k{8,16,32}.row.col (f16/bf16/e4m3/e5m2 inputs
             "fence / membar",
             "wgmma.mma_async m64nNk16 (f16/bf16) / m64nNk32 (e4m3/e5m2), A from registers or a descriptor; "
             "wgmma.fence / commit_group / wait_group",
-            "mbarrier.init / arrive(.expect_tx) / arrive_drop / expect_tx / complete_tx / try_wait / test_wait (.parity) "
-            "/ inval, cp.async.mbarrier.arrive(.noinc)",
-            "cp.async.bulk global <-> shared, cp.async.bulk.tensor 1d-5d .tile (tensor maps), commit_group / wait_group",
+            "mbarrier.init / arrive(.expect_tx) / arrive_drop / expect_tx / complete_tx / try_wait / test_wait "
+            "(.parity) / inval, cp.async.mbarrier.arrive(.noinc)",
+            "cp.async.bulk global <-> shared, cp.async.bulk.tensor 1d-5d .tile (tensor maps), commit_group / "
+            "wait_group",
             "bar.sync / bar.arrive id, count (named barriers), elect.sync, setmaxnreg, fence.proxy.async, "
             "griddepcontrol, createpolicy, prefetch, labels and bra")
 
