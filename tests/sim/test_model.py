@@ -39,7 +39,9 @@ def test_hbm_bound_full_waves():
     assert waves == 2 and bound == "hbm"
     assert us == pytest.approx(2.0 + 528e6 / 4.3e12 * 1e6)
     assert terms["hbm"] == pytest.approx(528e6 / 4.3e12 * 1e6)  # ~122.8 µs
-    assert tuple(terms) == ("hbm", "latency", "shared", "mma", "issue", "mufu") == model.TERM_NAMES
+    assert model.TERM_NAMES == ("hbm", "latency", "shared", "mma", "issue", "mufu")
+    assert tuple(terms) == model.TERM_NAMES + model.MMA_PARTS == model.TERM_NAMES + ("mma_hmma", "mma_gmma",
+                                                                                     "mma_gmma_fp8")
 
 
 def test_littles_law_bounds_a_thin_pipeline():
@@ -106,6 +108,33 @@ def test_mma_bound():
     t = _terms(mma_flops=5e9 / 132 * 132)  # one CTA per SM: per-SM mma rate 660e12 / 132
     us, bound, _, _ = model.launch_time_us(t, 132, 1)
     assert bound == "mma" and us == pytest.approx(2.0 + 5e9 / (660e12 / 132) * 1e6)
+
+
+def test_tensor_core_peaks():
+    # H100 / H200 SXM dense peaks: wgmma 989 TFLOP/s with 16-bit inputs, 1979 with fp8; mma.sync 2/3 of 989
+    assert (H200.mma_flops_per_s, H200.gmma_flops_per_s, H200.gmma_fp8_flops_per_s) == (660e12, 989e12, 1979e12)
+
+
+@pytest.mark.parametrize("ctas, per_sm, busiest", [(132, 1, 1), (264, 2, 2), (140, 1, 2)])
+def test_mma_term_sums_each_kind_at_its_peak(ctas, per_sm, busiest):
+    # Per CTA 1e9 mma.sync FLOPs (HMMA: 1e9 / (660e12 / 132) s = 200 µs), 2e9 wgmma bf16 (HGMMA: 2e9 / (989e12 /
+    # 132) = 266.94 µs) and 4e9 wgmma fp8 (QGMMA: 4e9 / (1979e12 / 132) = 266.80 µs): the mma term is their sum,
+    # 733.74 µs per CTA on the busiest SM (2 stacked: twice that; 140 at 1 per SM: two waves of one each).
+    t = _terms(mma_flops=1e9, gmma_flops=2e9, gmma_fp8_flops=4e9, warp_instructions=1e3, bytes=1e3)
+    us, bound, waves, terms = model.launch_time_us(t, ctas, per_sm)
+    parts = {"mma_hmma": 1e9 / (660e12 / 132) * 1e6, "mma_gmma": 2e9 / (989e12 / 132) * 1e6,
+             "mma_gmma_fp8": 4e9 / (1979e12 / 132) * 1e6}
+    for name, one in parts.items():
+        assert terms[name] == pytest.approx(busiest * one)
+    assert terms["mma"] == pytest.approx(busiest * sum(parts.values())) == pytest.approx(busiest * 733.74, rel=1e-4)
+    assert bound == "mma" and us == pytest.approx(2.0 + terms["mma"])
+
+
+def test_a_part_of_mma_never_bounds_alone():
+    # wgmma fp8 work alone: mma and mma_gmma_fp8 are equal, and the bound is the term, not its part
+    us, bound, _, terms = model.launch_time_us(_terms(gmma_fp8_flops=1979e12 / 132 * 1e-4), 132, 1)
+    assert terms["mma"] == terms["mma_gmma_fp8"] == pytest.approx(100.0) and terms["mma_hmma"] == 0.0
+    assert bound == "mma" and us == pytest.approx(102.0)
 
 
 def test_empty_launch_costs_the_overhead():
@@ -186,6 +215,26 @@ def test_model_of_counted_instructions(copy_profile):
     assert projected.time_us == pytest.approx(2.0 + 48 * 1e6 / (4 * 1.83e9) * 1e6)
     table = _launch_model.table([launch])
     assert f"| {m.terms_us['issue']:.1f} " in table and "| issue " in table and "not counted" not in table
+
+
+def test_model_of_gmma_flops(copy_profile):
+    # The copy's launch (132 CTAs, one per SM) made to do tensor-core work, as the profiler records it for the
+    # whole launch: 132 x 1e9 mma.sync FLOPs, 132 x 3e9 wgmma bf16, 132 x 6e9 wgmma fp8. Per SM: 1e9 / 5e12 s
+    # = 200 µs of HMMA, 3e9 / (989e12 / 132) = 400.4 µs of HGMMA, 6e9 / (1979e12 / 132) = 400.2 µs of QGMMA.
+    launch = _with_counts(copy_profile.launches[0], mma_flops=132 * 10**9, gmma_flops=132 * 3 * 10**9,
+                          gmma_fp8_flops=132 * 6 * 10**9)
+    m = launch.model
+    want = {"mma_hmma": 1e9 / (660e12 / 132) * 1e6, "mma_gmma": 3e9 / (989e12 / 132) * 1e6,
+            "mma_gmma_fp8": 6e9 / (1979e12 / 132) * 1e6}
+    assert {k: m.terms_us[k] for k in want} == pytest.approx(want)
+    assert m.bound == "mma" and m.terms_us["mma"] == pytest.approx(sum(want.values()))
+    assert m.time_us == pytest.approx(2.0 + sum(want.values()))
+    assert tuple(m.terms_us) == model.TERM_NAMES + model.MMA_PARTS  # a bench row's terms_us gains keys only
+    projected = _launch_model.model_of(launch, ctas=132 * 2)  # twice the CTAs, one wave (16 per SM fit)
+    assert projected.terms_us["mma_gmma"] == pytest.approx(2 * want["mma_gmma"])
+    older = types.SimpleNamespace(**{k: v for k, v in vars(launch).items() if k not in ("gmma_flops",
+                                                                                       "gmma_fp8_flops")})
+    assert _launch_model.model_of(older).terms_us["mma"] == pytest.approx(want["mma_hmma"])  # a record without them
 
 
 def test_uncounted_instructions_say_why(copy_profile):
