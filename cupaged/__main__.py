@@ -20,7 +20,8 @@ def main(argv=None) -> int:
     st.add_argument("--backend", choices=("sim", "cuda"), help="default: cuda when a GPU is present, else sim")
     # no help of its own: `resources --help` reaches cupaged.resources, which lists its options
     sub.add_parser("resources", add_help=False,
-                   help="NVRTC compile gate: registers and spills per kernel (sm_80, sm_90; sm_90a for Hopper families), results cached")
+                   help="NVRTC compile gate: registers and spills per kernel (sm_80, sm_90; sm_90a for Hopper "
+                        "families), results cached")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from cupaged.demo.cli import main as demo_main
