@@ -37,30 +37,18 @@ __device__ __forceinline__ void mb_expect(u64* b, unsigned tx) {
 __device__ __forceinline__ void mb_complete(u64* b, unsigned tx) {
   asm volatile("mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(sa(b)), "r"(tx) : "memory");
 }
-__device__ __forceinline__ int mb_test_parity(u64* b, unsigned parity) {
-  unsigned r;
-  asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-               : "=r"(r) : "r"(sa(b)), "r"(parity) : "memory");
-  return r;
-}
-__device__ __forceinline__ int mb_try_parity(u64* b, unsigned parity) {
-  unsigned r;
-  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-               : "=r"(r) : "r"(sa(b)), "r"(parity) : "memory");
-  return r;
-}
-__device__ __forceinline__ int mb_test(u64* b, u64 state) {
-  unsigned r;
-  asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-               : "=r"(r) : "r"(sa(b)), "l"(state) : "memory");
-  return r;
-}
-__device__ __forceinline__ int mb_try(u64* b, u64 state) {
-  unsigned r;
-  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-               : "=r"(r) : "r"(sa(b)), "l"(state) : "memory");
-  return r;
-}
+// The four waits: test_wait (never blocks) or try_wait, on a phase parity or an arrival's state token.
+#define MB_WAIT(name, form, T, con)                                                                         \
+  __device__ __forceinline__ int name(u64* b, T v) {                                                        \
+    unsigned r;                                                                                             \
+    asm volatile("{\n.reg .pred p;\nmbarrier." form ".shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}" \
+                 : "=r"(r) : "r"(sa(b)), con(v) : "memory");                                              \
+    return r;                                                                                               \
+  }
+MB_WAIT(mb_test_parity, "test_wait.parity", unsigned, "r")
+MB_WAIT(mb_try_parity, "try_wait.parity", unsigned, "r")
+MB_WAIT(mb_test, "test_wait", u64, "l")
+MB_WAIT(mb_try, "try_wait", u64, "l")
 __device__ __forceinline__ void mb_wait(u64* b, unsigned parity) {
   while (!mb_try_parity(b, parity)) {}
 }
