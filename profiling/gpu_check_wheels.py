@@ -27,6 +27,9 @@ WHEELS = [
     ("exceptiongroup", "exceptiongroup", sys.version_info < (3, 11), False),
     ("tomli", "tomli", sys.version_info < (3, 11), False),
     ("typing_extensions", "typing_extensions", sys.version_info < (3, 13), False),
+    # cupaged.make_tensor_map on a GPU (the Hopper tests): the driver's cuTensorMapEncodeTiled
+    ("cuda-bindings>=13.0,<14", "cuda.bindings", True, True),
+    ("cuda-pathfinder>=1.1", "cuda.pathfinder", True, False),
 ]
 
 
