@@ -512,8 +512,29 @@ BAD_STATEMENTS = {
     # ptxas: "value '20' out of range" / "Arguments mismatch" (the count is an immediate) / "Argument vector size
     # mismatch" (a .2d copy takes two coordinates)
     "setmaxnreg-n20": ('asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(20));', "setmaxnreg"),
+    "mapa-u16": ('unsigned short h = 1; asm volatile("mapa.shared::cluster.u16 %0, %0, 0;" : "+h"(h));', "mapa"),
     "setmaxnreg-reg": ('asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "r"(x));', "setmaxnreg"),
     "tensor-2d-one-coord": ('asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx'
                             '::bytes [%0], [%1, {%2}], [%3];" :: "r"(sa(sm)), "l"(&map), "r"(x), "r"(sa(&bar)) '
                             ': "memory");', "cp.async.bulk.tensor"),
 }
+
+# CUTLASS's spellings with template parameters: warpgroup_reg_dealloc<R> / warpgroup_reg_alloc<R> ("n"(R): the
+# count is known only when the template is instantiated) and ClusterBarrier::arrive(cta_id) through mapa.
+TEMPLATED = PRELUDE + r"""
+template <int R>
+__global__ void regs(int* out, unsigned rank) {
+  __shared__ u64 bar;
+  const int t = threadIdx.x;
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(R));
+  if (t == 0) { mb_init(&bar, 1); mb_fence_init(); }
+  __syncthreads();
+  if (t == 0) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(sa(&bar)), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(remote) : "memory");
+  }
+  mb_wait(&bar, 0);
+  out[t] = t + R;
+}
+"""

@@ -37,7 +37,7 @@ import pytest
 
 from cupaged import _nvrtc, make_tensor_map, sim
 from cupaged.sim._memory import poison_byte
-from tests.conftest import Backend, hopper_module
+from tests.conftest import Backend, hopper_module, raw_module
 from tests.sim import hopper_isa as isa
 from tests.sim import hopper_sources as hs
 
@@ -252,6 +252,25 @@ def test_bulk_store_needs_proxy_fence(monkeypatch, order):
 def test_setmaxnreg_differing_in_a_warpgroup(monkeypatch, order):
     with pytest.raises(sim.SimSyncError, match="setmaxnreg"):
         sim_run(monkeypatch, order, hs.SYNC, "regs", (256,), (sim.zeros(256, np.int32), np.int32(1)))
+
+
+@pytest.mark.parametrize("regs, rank, error", [(40, 0, None), (20, 0, "multiple of 8 in 24..256"),
+                                               (40, 1, "clusters of one CTA")])
+def test_templated_counts_and_mapa(regs, rank, error):
+    """setmaxnreg's count from a template parameter is checked when the instantiation runs; mapa maps to
+    CTA rank 0 of a one-CTA cluster (another rank is an error)."""
+    f = raw_module(Backend("sim"), hs.TEMPLATED, name_expressions=(f"regs<{regs}>",)).get_function(f"regs<{regs}>")
+    out = sim.zeros(128, np.int32)
+    if error:
+        with pytest.raises(sim.SimSyncError, match=error):
+            f((1,), (128,), (out, np.uint32(rank)))
+        return
+    f((1,), (128,), (out, np.uint32(rank)))
+    np.testing.assert_array_equal(np.asarray(out), np.arange(128) + regs)
+
+
+def test_templated_source_compiles_for_sm90a():
+    _nvrtc.compile_cubin(hs.TEMPLATED, arch="sm_90a", options=("-std=c++17",), name_expressions=("regs<40>",))
 
 
 @pytest.mark.parametrize("kind", ["bulk", "tensor"])

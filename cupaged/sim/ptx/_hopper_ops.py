@@ -191,11 +191,20 @@ def setmaxnreg(st, parts, ops):
     if len(parts) != 5 or parts[1] not in ("inc", "dec") or parts[2:] != ["sync", "aligned", "u32"] or len(ops) != 1:
         return None
     tok = ops[0].strip()
-    if st.letters.get(tok) in ("n", "i"):  # an "n" operand: its C++ expression must be a literal
-        tok = st.exprs.get(tok, "").strip()
-    if not re.fullmatch(r"\d+", tok) or int(tok) % 8 or not 24 <= int(tok) <= 256:
-        raise st.error(f"{st.opcode}: the register count must be an immediate, a multiple of 8 in 24..256, got {tok}")
-    return _site(f"{P}setmaxnreg(&_site, {tok}u, {st.line});")
+    value = st.exprs.get(tok, "").strip() if st.letters.get(tok) in ("n", "i") else tok
+    if st.letters.get(tok) not in ("n", "i") and not re.fullmatch(r"\d+", tok):
+        raise st.error(f"{st.opcode}: the register count must be an immediate, got {tok}")
+    if re.fullmatch(r"\d+", value) and (int(value) % 8 or not 24 <= int(value) <= 256):
+        raise st.error(f"{st.opcode}: the register count must be a multiple of 8 in 24..256, got {value}")
+    # an "n" operand of a template parameter (CUTLASS's warpgroup_reg_alloc<N>) is checked when it runs
+    return _site(f"{P}setmaxnreg(&_site, (unsigned){st.val(ops[0])}, {st.line});")
+
+
+def mapa(st, parts, ops):
+    """mapa: a shared address of this CTA mapped into CTA rank b of the cluster -- a one-CTA cluster here."""
+    if parts[-1] not in ("u32", "u64") or set(parts[1:-1]) - {"shared::cluster"} or len(ops) != 3:
+        return None
+    return st.set(ops[0], f"{P}mapa({st.val(ops[1])}, (unsigned){st.val(ops[2])}, {st.line})")
 
 
 def hint(st, parts, ops):
@@ -210,4 +219,4 @@ def hint(st, parts, ops):
 
 
 HANDLERS = {"wgmma": wgmma, "mbarrier": mbarrier, "cp": cp, "fence": sync, "bar": sync, "barrier": sync,
-            "elect": elect, "setmaxnreg": setmaxnreg, "griddepcontrol": hint, "createpolicy": hint, "prefetch": hint}
+            "elect": elect, "setmaxnreg": setmaxnreg, "mapa": mapa, "griddepcontrol": hint, "createpolicy": hint, "prefetch": hint}

@@ -226,7 +226,13 @@ CUPAGED_SIM_TRUSTED inline void setmaxnreg_compute(int base) {
            "be the same across the warpgroup", base, want, i, *static_cast<const unsigned*>(g.threads[i].xop));
     }
 }
+inline unsigned long long mapa(unsigned long long a, unsigned rank, int line) {
+  if (rank != 0) fail(E_SYNC, line, "mapa: CTA rank %u of the cluster: the sim runs clusters of one CTA", rank);
+  return a;
+}
 inline void setmaxnreg(const void* site, unsigned count, int line) {
+  if (count % 8 || count < 24 || count > 256)
+    fail(E_SYNC, line, "setmaxnreg: the register count must be a multiple of 8 in 24..256, got %u", count);
   g.cur->xop = &count;
   warpgroup_op("setmaxnreg", &setmaxnreg_compute, site, line);
 }
