@@ -34,7 +34,7 @@ EMULATED = ("mma.sync.aligned.m16n8k{8,16,32}.row.col (f16/bf16/e4m3/e5m2 inputs
             "cp.async.bulk global <-> shared, cp.async.bulk.tensor 1d-5d .tile (tensor maps), commit_group / "
             "wait_group",
             "bar.sync / bar.arrive id, count (named barriers), elect.sync, setmaxnreg, fence.proxy.async, "
-            "griddepcontrol, createpolicy, prefetch, labels and bra")
+            "griddepcontrol, createpolicy, prefetch, mapa (one-CTA clusters), labels and bra")
 
 
 _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "lo": "<", "ls": "<=", "hi": ">",
