@@ -224,8 +224,79 @@ def test_wgmma_every_shape(n, types):
     np.testing.assert_array_equal(got, want)
 
 
+LAYOUTS = list(itertools.product(["K", "MN"], isa.SWIZZLES, ["K", "MN"], isa.SWIZZLES))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("ma, sa, mb, sb", list(itertools.product(["K", "MN"], isa.SWIZZLES, ["K", "MN"], isa.SWIZZLES)))
+@pytest.mark.parametrize("ma, sa, mb, sb", LAYOUTS)
 def test_wgmma_every_layout(ma, sa, mb, sb):
     got, want = run_case(Backend("sim"), 48, "f16", "f16", "f32", False, ma, mb, sa, sb)
     np.testing.assert_array_equal(got, want)
+
+
+CHAIN = r"""
+// FlashAttention-3's register reuse: S = Q K^T (64 x 16, both operands in shared memory), then P = bf16(S)
+// repacked from S's accumulator fragment straight into the A fragment of O = P V (A from registers, V
+// MN-major: trans-b = 1). Accumulator registers 4j..4j+3 hold columns 8j..8j+7, so for a k-slice of 16:
+// a0 = S(g, 2t..), a1 = S(g + 8, 2t..), a2 = S(g, 2t + 8..), a3 = S(g + 8, 2t + 8..).
+extern "C" __global__ void chain(const unsigned char* image, int image_bytes, unsigned long long desc_q,
+                                 unsigned long long desc_k, unsigned long long desc_v, float* out) {
+  extern __shared__ unsigned char smem[];
+  unsigned base = (unsigned)__cvta_generic_to_shared(smem), pad = (1024u - base % 1024u) % 1024u;
+  for (int i = threadIdx.x; i < image_bytes; i += blockDim.x) smem[pad + i] = image[i];
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  const unsigned long long shift = (base + pad) >> 4;
+  float s[8], o[16];
+  unsigned a[4];
+  for (int i = 0; i < 8; ++i) s[i] = 0.0f;
+  for (int i = 0; i < 16; ++i) o[i] = 0.0f;
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, "
+               "0, 1, 1, 0, 0;"
+               : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7])
+               : "l"(desc_q + shift), "l"(desc_k + shift));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int j = 0; j < 4; ++j) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(a[j]) : "f"(s[2 * j + 1]), "f"(s[2 * j]));
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
+               "%11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1, 1;"
+               : "+f"(o[0]), "+f"(o[1]), "+f"(o[2]), "+f"(o[3]), "+f"(o[4]), "+f"(o[5]), "+f"(o[6]), "+f"(o[7]),
+                 "+f"(o[8]), "+f"(o[9]), "+f"(o[10]), "+f"(o[11]), "+f"(o[12]), "+f"(o[13]), "+f"(o[14]), "+f"(o[15])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_v + shift));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  for (int i = 0; i < 16; ++i) out[threadIdx.x * 16 + i] = o[i];
+}
+"""
+
+
+def test_scores_feed_the_next_wgmma_from_registers(backend):
+    """The accumulator fragment of S = Q K^T, rounded to bf16 pairs, is the A fragment of O = P V."""
+    rng = np.random.default_rng(5)
+    bf16 = ml_dtypes.bfloat16
+    q, k, v = (rng.normal(size=s).astype(bf16) for s in ((64, 16), (16, 16), (16, 32)))
+    image = np.zeros(8192, np.uint8)
+    lbo, sbo, _ = layout(64, 2, "K", "none")
+    isa.store_operand(q, isa.operand_addresses(64, 2, "K", "none", lbo, sbo), image)
+    desc_q = isa.descriptor(0, lbo, sbo, "none")
+    lbo, sbo, _ = layout(16, 2, "K", "none")
+    isa.store_operand(k, isa.operand_addresses(16, 2, "K", "none", lbo, sbo, start=4096), image)
+    desc_k = isa.descriptor(4096, lbo, sbo, "none")
+    lbo, sbo, _ = layout(32, 2, "MN", "64B")  # B of P V: rows = d (N), k = keys; d contiguous
+    isa.store_operand(v.T, isa.operand_addresses(32, 2, "MN", "64B", lbo, sbo, start=6144), image)
+    desc_v = isa.descriptor(6144, lbo, sbo, "64B")
+    f = hopper_module(backend, CHAIN).get_function("chain")
+    f.max_dynamic_shared_size_bytes = image.size + 1024
+    out = backend.empty((128, 16), np.float32)
+    f((1,), (128,), (backend.asarray(image), np.int32(image.size), np.uint64(desc_q), np.uint64(desc_k),
+                     np.uint64(desc_v), out), shared_mem=image.size + 1024)
+    s = (q.astype(np.float64) @ k.astype(np.float64).T).astype(np.float32)
+    o = (s.astype(bf16).astype(np.float64) @ v.astype(np.float64)).astype(np.float32)
+    coords = isa.accumulator_coords(32)
+    np.testing.assert_array_equal(backend.to_numpy(out), o[coords[..., 0], coords[..., 1]])
+
+
+def test_chain_source_compiles_for_sm90a():
+    _nvrtc.compile_cubin(CHAIN, arch="sm_90a", options=("-std=c++17",))
