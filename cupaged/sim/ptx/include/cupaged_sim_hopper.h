@@ -4,8 +4,9 @@
 // named barriers, warpgroups, the async proxy's view of shared memory) is cupaged_sim_async.h's.
 //
 // Bulk and tensor copies into shared memory read their source when issued (bounds-checked then) and
-// complete (land, and signal complete_tx on their mbarrier) when a thread waits on that mbarrier -- the
-// latest moment a GPU may complete them; until then the destination holds poison, as a racing read sees.
+// complete (land, and signal complete_tx on their mbarrier) once the phase's arrivals are in and a thread
+// waits on that mbarrier -- the latest moment a GPU may complete them; until then the destination holds
+// poison, as a racing read sees.
 // Copies out of shared memory are checked when issued and run -- read shared memory through the async
 // proxy, write global memory -- when `cp.async.bulk.wait_group(.read)` covers their bulk group or their
 // thread exits: the latest moment, so a stage overwritten before the wait is what gets written.
@@ -133,7 +134,7 @@ inline unsigned long long swizzled(unsigned long long a, int mode) {  // mode: 0
 // The box's bytes in shared order (swizzled relative to the shared address dst), gathered from global
 // memory (load) or scattered to it (store); out-of-bounds elements read as zeros and are not written.
 CUPAGED_SIM_ASYNC_FN inline void tensor_box(const TensorMap& m, const long long* c, unsigned long long dst, unsigned char* box,
-                                          size_t bytes, bool store) {
+                                          bool store) {
   long long n[5] = {1, 1, 1, 1, 1}, s[5] = {1, 1, 1, 1, 1};
   for (unsigned d = 0; d < m.rank; ++d) s[d] = d ? m.estride[d] : 1;
   for (unsigned d = 0; d < m.rank; ++d) n[d] = (m.box[d] + s[d] - 1) / s[d];
@@ -156,7 +157,6 @@ CUPAGED_SIM_ASYNC_FN inline void tensor_box(const TensorMap& m, const long long*
             else if (store) bulk_write_global(src, at, m.esize);
             else bulk_read_global(at, src, m.esize);
           }
-  (void)bytes;
 }
 
 inline size_t tensor_bytes(const TensorMap& m) {
@@ -180,7 +180,7 @@ inline void tensor_load(unsigned long long dst, unsigned long long map, const lo
   check_tensor_smem(m, dst, bytes, line, op);
   int i = mbar_find(mbar_addr(mbar, line, op), line, op);
   auto* data = static_cast<unsigned char*>(malloc(bytes));
-  tensor_box(m, c, dst, data, bytes, false);
+  tensor_box(m, c, dst, data, false);
   bulk_count(bytes);
   proxy_write(dst, nullptr, bytes);
   land_later(dst, bytes, data, i);
@@ -208,7 +208,7 @@ CUPAGED_SIM_ASYNC_FN static void bulk_store_run(const BulkStore& s) {
   }
   TensorMap m;
   memcpy(&m, s.map, sizeof m);
-  tensor_box(m, s.c, s.src, reinterpret_cast<unsigned char*>(g.smem_base + s.src), s.size, true);
+  tensor_box(m, s.c, s.src, reinterpret_cast<unsigned char*>(g.smem_base + s.src), true);
 }
 
 // ---- elect.sync, setmaxnreg
