@@ -6,13 +6,16 @@
 // q [total_q, num_heads, 128], k / v [total_k, num_kv_heads, 128] bf16 (sequence b owns rows cu_seqlens[b]..),
 // out [total_q, num_heads, 128] bf16, lse [num_heads, total_q] f32 (natural log; -inf for a row that sees
 // nothing). Causal masking is bottom-right aligned, as varlen_attention's.
-// One CTA = 64 query rows of one (sequence, head): warpgroup 0 is the producer (one thread streams the Q tile
+// One CTA = 128 query rows of one (sequence, head): warpgroup 0 is the producer (one thread streams the Q tile
 // and 64-key K/V tiles through tensor-map copies, 128-byte swizzle, into a 2-stage full/empty mbarrier ring),
-// warpgroup 1 the consumer: S = Q K^T (8 wgmma m64n64k16 from descriptors), the online softmax in the
+// warpgroups 1 and 2 the consumers, 64 rows each, sharing every K/V tile: S = Q K^T (8 wgmma m64n64k16 from
+// descriptors), the online softmax in the
 // accumulator registers (exp2, the scale's log2 e folded in), P = bf16(S) packed straight into A fragments,
 // O += P V (4 wgmma m64n128k16, A from registers, V MN-major). Keys past the sequence's end score -inf, and
 // the V rows behind them are zeroed in shared memory before P V (a masked key must not reach the output
-// through 0 * NaN). Test: pytest tests/test_hopper_attention.py.   v0: one consumer, no ping-pong.
+// through 0 * NaN). Test: pytest tests/test_hopper_attention.py.
+// v0: one consumer of 64 rows. v1 (this one): two consumers of 64 rows share each K/V tile, halving its reads;
+// no ping-pong, no setmaxnreg yet.
 
 #include <cuda_bf16.h>
 #ifndef __cuda_cuda_h__
@@ -20,7 +23,7 @@ struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };  // cuTensorM
 #endif
 
 namespace hattn {
-constexpr int kRows = 64, kKeys = 64, kStages = 2;
+constexpr int kRows = 128, kKeys = 64, kStages = 2;  // a consumer owns 64 of the rows
 constexpr unsigned kPanel = 64 * 128;  // 64 rows of 64 bf16 columns (128 bytes): half of a 128-wide tile
 constexpr unsigned kTile = 2 * kPanel;
 
@@ -84,13 +87,13 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 struct Tile {
-  int len_q, len_k, row0, tiles, shift;  // shift: a query at row i sits at key position i + shift
+  int len_q, len_k, row0, tiles, shift;  // row0: the consumer's first row; a query at row i sits at key i + shift
 };
 
 // One key tile: scores, online softmax (m, l per thread row pair), P into A fragments, O += P V.
 __device__ void step(const Tile& tl, int t, unsigned q, unsigned k, unsigned v, float scale_log2, int causal,
                      float (&o)[64], float (&m)[2], float (&l)[2]) {
-  const int tid = int(threadIdx.x) - 128, row = tl.row0 + 16 * (tid / 32) + tid % 32 / 4, quad = tid % 4;
+  const int tid = int(threadIdx.x) % 128, row = tl.row0 + 16 * (tid / 32) + tid % 32 / 4, quad = tid % 4;
   float s[32];
   for (int i = 0; i < 32; ++i) s[i] = 0.0f;
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -120,13 +123,13 @@ __device__ void step(const Tile& tl, int t, unsigned q, unsigned k, unsigned v, 
   for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
   const int valid = tl.len_k - t * kKeys;  // the keys of this tile inside the sequence
   if (valid < kKeys) {  // the rest hold the next sequence or zeros: their V rows must not reach P V
-    for (int c = tid; c < (kKeys - valid) * 16; c += 128) {  // 16-byte chunks: 8 per row of each panel
+    for (int c = int(threadIdx.x) - 128; c < (kKeys - valid) * 16; c += 256) {  // 16-byte chunks, 8 a panel row
       const unsigned key = unsigned(valid + c / 16), panel = unsigned(c / 8 % 2), chunk = unsigned(c % 8);
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(v + panel * kPanel + key * 128u + chunk * 16u),
                    "r"(0u) : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("bar.sync 1, 128;" ::: "memory");
+    asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers read this V tile
   }
   unsigned a[4][4];  // all of P's fragments first: a wgmma in flight still reads its A registers
   for (int j = 0; j < 4; ++j)
@@ -138,8 +141,8 @@ __device__ void step(const Tile& tl, int t, unsigned q, unsigned k, unsigned v, 
 }
 }  // namespace hattn
 
-// grid (ceil(max_seqlen_q / 64), num_heads, batch), block 256, dynamic shared memory 5 * 16 KiB + 1 KiB
-extern "C" __global__ void __launch_bounds__(256, 1)
+// grid (ceil(max_seqlen_q / 128), num_heads, batch), block 384, dynamic shared memory 6 * 16 KiB + 1 KiB
+extern "C" __global__ void __launch_bounds__(384, 1)
 hopper_attention(const __grid_constant__ CUtensorMap map_q,  // over q [total_q, num_heads, 128], box (64, 1, 64)
                  const __grid_constant__ CUtensorMap map_k,  // over k [total_k, num_kv_heads, 128], box (64, 1, 64)
                  const __grid_constant__ CUtensorMap map_v,  // over v, likewise
@@ -160,13 +163,13 @@ hopper_attention(const __grid_constant__ CUtensorMap map_q,  // over q [total_q,
   if (tl.row0 >= tl.len_q) return;  // every thread alike: no barrier is used yet
   const int limit = causal ? min(tl.len_k, tl.row0 + kRows + tl.shift) : tl.len_k;
   tl.tiles = limit > 0 ? (limit + kKeys - 1) / kKeys : 0;
-  const unsigned base = sa(smem), q = base + (1024u - base % 1024u) % 1024u, ring = q + kTile;
+  const unsigned base = sa(smem), q = base + (1024u - base % 1024u) % 1024u, ring = q + 2 * kTile;
   const unsigned q_full = sa(bars), full = q_full + 8, empty = full + 8 * kStages;
   if (threadIdx.x == 0) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(q_full));
     for (int s = 0; s < kStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(full + 8 * s));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(empty + 8 * s));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;" :: "r"(empty + 8 * s));  // one per consumer
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -174,8 +177,9 @@ hopper_attention(const __grid_constant__ CUtensorMap map_q,  // over q [total_q,
   const int hk = h / (num_heads / num_kv_heads);
   if (threadIdx.x < 128) {  // the producer: one thread issues every copy
     if (threadIdx.x != 0) return;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(q_full), "r"(kTile));
-    for (int p = 0; p < 2; ++p) load(q + p * kPanel, &map_q, 64 * p, h, q0 + tl.row0, q_full);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(q_full), "r"(2 * kTile));
+    for (int c = 0; c < 2; ++c)  // each consumer's 64 rows: [2 panels][64 rows][128 bytes]
+      for (int p = 0; p < 2; ++p) load(q + c * kTile + p * kPanel, &map_q, 64 * p, h, q0 + tl.row0 + 64 * c, q_full);
     for (int t = 0; t < tl.tiles; ++t) {
       const unsigned s = unsigned(t % kStages), k = ring + 2 * kTile * s, bar = full + 8 * s;
       wait_parity(empty + 8 * s, ((t / kStages) & 1) ^ 1);
@@ -187,16 +191,19 @@ hopper_attention(const __grid_constant__ CUtensorMap map_q,  // over q [total_q,
     }
     return;
   }
+  const int consumer = int(threadIdx.x) / 128 - 1;
+  tl.row0 += 64 * consumer;
   float o[64], m[2] = {neg_inf(), neg_inf()}, l[2] = {0.0f, 0.0f};
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
   wait_parity(q_full, 0);
   for (int t = 0; t < tl.tiles; ++t) {
     const unsigned s = unsigned(t % kStages), k = ring + 2 * kTile * s;
     wait_parity(full + 8 * s, (t / kStages) & 1);
-    step(tl, t, q, k, k + kTile, scale * 1.4426950408889634f, causal, o, m, l);
-    if (threadIdx.x == 128) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(empty + 8 * s) : "memory");
+    step(tl, t, q + consumer * kTile, k, k + kTile, scale * 1.4426950408889634f, causal, o, m, l);
+    if (threadIdx.x % 128 == 0)
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(empty + 8 * s) : "memory");
   }
-  const int tid = int(threadIdx.x) - 128, quad = tid % 4, total = cu_seqlens_q[gridDim.z];
+  const int tid = int(threadIdx.x) % 128, quad = tid % 4, total = cu_seqlens_q[gridDim.z];
   for (int half = 0; half < 2; ++half) {
     const int r = tl.row0 + 16 * (tid / 32) + tid % 32 / 4 + 8 * half;
     const float sum = quad_sum(l[half]);
