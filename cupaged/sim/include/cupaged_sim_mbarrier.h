@@ -38,6 +38,12 @@ CUPAGED_SIM_ASYNC_FN static bool mbar_done(int i, int parity, unsigned long long
 
 static void mbar_copies_done(int i, int line);
 
+CUPAGED_SIM_ASYNC_FN static bool mbar_waited(int i) {  // a thread waits on mbarrier i
+  for (int j = 0; j < g.nthreads; ++j)
+    if (g.threads[j].state == WAIT_MBAR && g.threads[j].wait_id == i) return true;
+  return false;
+}
+
 CUPAGED_SIM_ASYNC_FN static void mbar_check(int i, int line) {
   MBar& m = g_mbar[i];
   if (m.tx > (1 << 20) - 1 || m.tx < -((1 << 20) - 1)) {
@@ -45,9 +51,9 @@ CUPAGED_SIM_ASYNC_FN static void mbar_check(int i, int line) {
               "the ISA's range of +-(2^20 - 1)", line, m.addr, m.tx);
     abort_fiber();
   }
-  if (!m.pending && m.tx) {  // the arrivals are in: copies in flight complete if a thread waits
-    for (int j = 0; j < g.nthreads; ++j)
-      if (g.threads[j].state == WAIT_MBAR && g.threads[j].wait_id == i) { mbar_copies_done(i, line); return; }
+  if (!m.pending && m.tx && mbar_waited(i)) {  // the arrivals are in: copies in flight complete for a waiter
+    mbar_copies_done(i, line);
+    return;
   }
   if (m.pending || m.tx) return;
   ++m.phase;
@@ -83,11 +89,6 @@ CUPAGED_SIM_ASYNC_FN static void mbar_copies_done(int i, int line) {
 }
 
 CUPAGED_SIM_ASYNC_FN static void mbar_init(unsigned long long a, long long count, int line) {
-  if (a % 8 || a + 8 > g.smem_size) {
-    set_error(E_MEMORY, "inline PTX (line %d): mbarrier.init: shared address 0x%llx is %s", line, a,
-              a % 8 ? "not 8-byte aligned" : "outside the block's shared memory");
-    abort_fiber();
-  }
   if (count < 1 || count > (1 << 20) - 1) {
     set_error(E_SYNC, "inline PTX (line %d): mbarrier.init: count %lld is outside 1..2^20-1", line, count);
     abort_fiber();
@@ -184,8 +185,7 @@ CUPAGED_SIM_ASYNC_FN static void land_later(unsigned long long dst, size_t size,
   }
   g_land[g_nland++] = Landing{dst, size, data, mbar, g.cur->linear};
   CUPAGED_SIM_PROF(if (g_prof) { g_pt[g.cur->linear].async += size; prof_inflight_peak(g_pt[g.cur->linear]); });
-  for (int j = 0; j < g.nthreads; ++j)  // a thread already waits on the mbarrier: the copy completes now
-    if (g.threads[j].state == WAIT_MBAR && g.threads[j].wait_id == mbar) { mbar_copies_done(mbar, g.cur->line); return; }
+  if (mbar_waited(mbar)) mbar_copies_done(mbar, g.cur->line);  // a thread already waits: the copy completes now
 }
 
 // ---------------------------------------------------------------- bulk stores (shared -> global) in flight

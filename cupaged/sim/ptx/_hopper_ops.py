@@ -114,7 +114,9 @@ def _tensor_operand(st, tok, rank):
     coords = [c for c in (x.strip() for x in m.group(2).split(",")) if c]
     if len(coords) != rank:
         raise st.error(f"{st.opcode}: a {rank}d copy takes {rank} coordinates, got {len(coords)}")
-    return st.val(m.group(1)), coords
+    # the map's address, and C++ declaring the coordinates as _c (signed 32-bit in the ISA)
+    values = ", ".join(f"(long long)(int){st.val(c)}" for c in coords)
+    return st.val(m.group(1)), f"const long long _c[{rank}] = {{{values}}};"
 
 
 def cp(st, parts, ops):
@@ -142,14 +144,14 @@ def cp(st, parts, ops):
         rank = int(m.group(1))
         if mode in (["shared::cluster", "global", "mbarrier::complete_tx::bytes"],
                     ["shared::cta", "global", "mbarrier::complete_tx::bytes"]) and len(ops) == 3:
-            tmap, coords = _tensor_operand(st, ops[1], rank)
-            return (f"const long long _c[{rank}] = {{{', '.join(f'(long long)(int){st.val(c)}' for c in coords)}}}; "
-                    f"{P}tensor_load({st.addr(ops[0])}, {tmap}, _c, {len(coords)}, {st.addr(ops[2])}, {st.line}, "
+            tmap, decl = _tensor_operand(st, ops[1], rank)
+            return (f"{decl} "
+                    f"{P}tensor_load({st.addr(ops[0])}, {tmap}, _c, {rank}, {st.addr(ops[2])}, {st.line}, "
                     f"{name});")
         if mode in (["global", "shared::cta", "bulk_group"],) and len(ops) == 2:
-            tmap, coords = _tensor_operand(st, ops[0], rank)
-            return (f"const long long _c[{rank}] = {{{', '.join(f'(long long)(int){st.val(c)}' for c in coords)}}}; "
-                    f"{P}tensor_store({tmap}, _c, {len(coords)}, {st.addr(ops[1])}, {st.line}, {name});")
+            tmap, decl = _tensor_operand(st, ops[0], rank)
+            return (f"{decl} "
+                    f"{P}tensor_store({tmap}, _c, {rank}, {st.addr(ops[1])}, {st.line}, {name});")
         return None
     if rest in (["shared::cluster", "global", "mbarrier::complete_tx::bytes"],
                 ["shared::cta", "global", "mbarrier::complete_tx::bytes"]) and len(ops) == 4:
@@ -219,4 +221,5 @@ def hint(st, parts, ops):
 
 
 HANDLERS = {"wgmma": wgmma, "mbarrier": mbarrier, "cp": cp, "fence": sync, "bar": sync, "barrier": sync,
-            "elect": elect, "setmaxnreg": setmaxnreg, "mapa": mapa, "griddepcontrol": hint, "createpolicy": hint, "prefetch": hint}
+            "elect": elect, "setmaxnreg": setmaxnreg, "mapa": mapa, "griddepcontrol": hint, "createpolicy": hint,
+            "prefetch": hint}

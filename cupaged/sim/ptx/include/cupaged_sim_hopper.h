@@ -25,11 +25,12 @@ namespace ptx {
 
 // ---- mbarrier
 inline unsigned long long mbar_addr(unsigned long long a, int line, const char* op) {
-  if (a % 8 || a + 8 > g.smem_size)
-    fail(E_MEMORY, line, "%s: shared address 0x%llx is %s", op, a, a % 8 ? "not 8-byte aligned" : "outside the block's shared memory");
+  shared_ptr(a, 8, 8, line, op);  // an 8-byte object inside the block's shared memory
   return a;
 }
-inline void mbarrier_init(unsigned long long a, unsigned long long count, int line) { mbar_init(a, (long long)count, line); }
+inline void mbarrier_init(unsigned long long a, unsigned long long count, int line) {
+  mbar_init(mbar_addr(a, line, "mbarrier.init"), (long long)count, line);
+}
 inline unsigned long long mbarrier_arrive(unsigned long long a, long long count, long long tx, bool drop, int line,
                                           const char* op) {
   if (count < 1 || count > (1 << 20) - 1) fail(E_SYNC, line, "%s: count %lld is outside 1..2^20-1", op, count);
@@ -74,10 +75,13 @@ CUPAGED_SIM_ASYNC_FN inline void bulk_write_global(unsigned long long dst, const
   CUPAGED_SIM_PROF(if (g_prof) prof_record(uintptr_t(dst), unsigned(n), true, prof_line_site(g.cur->line)));
 }
 
-inline void check_shared_range(unsigned long long a, size_t n, unsigned align, int line, const char* op) {
-  if (a % align) fail(E_MEMORY, line, "%s: shared address 0x%llx is not %u-byte aligned", op, a, align);
-  if (a > g.smem_size || n > g.smem_size - a)
-    fail(E_MEMORY, line, "%s: shared [0x%llx, +%zu) is outside the block's %llu bytes of shared memory", op, a, n, g.smem_size);
+// A copy into shared [dst, +size) whose bytes (read at issue) complete on the mbarrier at shared mbar.
+inline void copy_in_flight(unsigned long long dst, size_t size, unsigned char* data, unsigned long long mbar, int line,
+                           const char* op) {
+  int i = mbar_find(mbar_addr(mbar, line, op), line, op);
+  bulk_count(size);
+  proxy_write(dst, nullptr, size);  // poison until the copy completes
+  land_later(dst, size, data, i);
 }
 
 // cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], size, [mbar]
@@ -86,20 +90,17 @@ inline void bulk_load(unsigned long long dst, unsigned long long src, unsigned l
   g.cur->line = line;
   if (size == 0 || size % 16) fail(E_MEMORY, line, "%s: size %llu is not a positive multiple of 16", op, size);
   if (src % 16) fail(E_MEMORY, line, "%s: global source 0x%llx is not 16-byte aligned", op, src);
-  check_shared_range(dst, size, 16, line, op);
-  int i = mbar_find(mbar_addr(mbar, line, op), line, op);
+  shared_ptr(dst, unsigned(size), 16, line, op);
   auto* data = static_cast<unsigned char*>(malloc(size));
   bulk_read_global(data, src, size);
-  bulk_count(size);
-  proxy_write(dst, nullptr, size);  // poison until the phase completes
-  land_later(dst, size, data, i);
+  copy_in_flight(dst, size, data, mbar, line, op);
 }
 
 // cp.async.bulk.global.shared::cta.bulk_group [dst], [src], size: checked now, run at its wait
 inline void bulk_store(unsigned long long dst, unsigned long long src, unsigned long long size, int line, const char* op) {
   if (size == 0 || size % 16) fail(E_MEMORY, line, "%s: size %llu is not a positive multiple of 16", op, size);
   if (dst % 16) fail(E_MEMORY, line, "%s: global destination 0x%llx is not 16-byte aligned", op, dst);
-  check_shared_range(src, size, 16, line, op);
+  shared_ptr(src, unsigned(size), 16, line, op);
   BulkStore s{};
   s.dst = dst; s.src = src; s.size = size; s.line = line;
   bulk_store_push(s);
@@ -166,7 +167,7 @@ inline size_t tensor_bytes(const TensorMap& m) {
 }
 
 inline void check_tensor_smem(const TensorMap& m, unsigned long long a, size_t bytes, int line, const char* op) {
-  check_shared_range(a, bytes, 128, line, op);
+  shared_ptr(a, unsigned(bytes), 128, line, op);
   if (m.swizzle && bytes % (16u << m.swizzle))
     fail(E_MEMORY, line, "%s: a swizzled box must fill whole %u-byte swizzle rows, got %zu bytes", op, 16u << m.swizzle, bytes);
 }
@@ -178,12 +179,9 @@ inline void tensor_load(unsigned long long dst, unsigned long long map, const lo
   TensorMap m = tensor_map(map, rank, line, op);
   size_t bytes = tensor_bytes(m);
   check_tensor_smem(m, dst, bytes, line, op);
-  int i = mbar_find(mbar_addr(mbar, line, op), line, op);
   auto* data = static_cast<unsigned char*>(malloc(bytes));
   tensor_box(m, c, dst, data, false);
-  bulk_count(bytes);
-  proxy_write(dst, nullptr, bytes);
-  land_later(dst, bytes, data, i);
+  copy_in_flight(dst, bytes, data, mbar, line, op);
 }
 
 // cp.async.bulk.tensor.Nd.global.shared::cta.tile.bulk_group [map, {c}], [src]: checked now, run at its wait
