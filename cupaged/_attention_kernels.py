@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from cupaged._cache_args import KV_KINDS
 from cupaged._launch import Launch
 from cupaged._mirror import constants
-from cupaged._runtime import KernelFamily
+from cupaged._runtime import HOPPER, KernelFamily
 
 if TYPE_CHECKING:
     from cupaged._plan import PlanKey
@@ -51,6 +51,10 @@ def prefill_kernel(t, kv, hd, vhd):
     return f"cupaged::paged_prefill_kernel<{t}, {kv}, {hd}, {vhd}>"
 
 
+def prefill_sm90_kernel(t, kv, hd, vhd):
+    return f"cupaged::paged_prefill_sm90_kernel<{t}, {kv}, {hd}, {vhd}>"
+
+
 def mla_kernel(t, kv, mt):
     return f"cupaged::mla_decode_kernel<{t}, {kv}, {mt}>"
 
@@ -66,6 +70,40 @@ FAMILY = KernelFamily("paged_attention", [
     *(prefill_kernel(t, kv, hd, vhd) for t in _TYPES[1:] for kv in KV_KINDS for hd, vhd in PREFILL_BUCKETS
       if hd == vhd or kv == KV_KINDS[0]),  # 192 / 128: varlen's dense rows (MLA prefill), never an fp8 cache
 ])
+
+
+# kernels_cu/paged_attention_sm90.cu: built for sm_90a alone, the plan's prefill kernel on sm_90
+HOPPER_FAMILY = KernelFamily("paged_attention_sm90", [
+    prefill_sm90_kernel(t, kv, hd, vhd) for t in _TYPES[1:] for kv in KV_KINDS for hd, vhd in PREFILL_BUCKETS
+    if hd == vhd or kv == KV_KINDS[0]], arch=HOPPER)
+
+
+def family_of(kernel: str) -> KernelFamily:
+    """The family a name expression of the plan's kernels is built from."""
+    return HOPPER_FAMILY if kernel in HOPPER_FAMILY.name_expressions else FAMILY
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_constants() -> dict[str, int]:
+    """HP_*: paged_prefill_sm90_kernel's threads, shared-memory limit and static allowance, and its warpgroups'
+    registers (setmaxnreg)."""
+    return constants(HOPPER_FAMILY.source, "HP_THREADS", "HP_SMEM_LIMIT", "HP_FIXED", "HP_PRODUCER_REGISTERS",
+                     "HP_CONSUMER_REGISTERS")
+
+
+def hopper_prefill_pipeline(hd: int, vhd: int) -> tuple[int, int]:
+    """HpSmem<CacheT, HD, VHD>'s (STAGES, STAGE): stages of 64 keys' K and V panels in q's type (fp8 converted on the
+    way), up to 4 where they, the two consumers' q panels and HP_FIXED fit HP_SMEM_LIMIT."""
+    c = hopper_constants()
+    panel = 64 * 128
+    stage, q = (hd + vhd) // 64 * panel, 2 * hd // 64 * panel
+    return min(4, (c["HP_SMEM_LIMIT"] - c["HP_FIXED"] - q) // stage), stage
+
+
+def hopper_prefill_smem_bytes(hd: int, vhd: int) -> int:
+    """Dynamic shared memory of paged_prefill_sm90_kernel: HpSmem::BYTES (1 KB of alignment slack, q, the ring)."""
+    stages, stage = hopper_prefill_pipeline(hd, vhd)
+    return 1024 + 2 * hd // 64 * 64 * 128 + stages * stage
 
 
 @functools.lru_cache(maxsize=None)
@@ -235,12 +273,18 @@ def decode_route(key: PlanKey) -> Route:
 def prefill_route(key: PlanKey) -> Route | None:
     """The tensor-core prefill kernel for the runs the decode kernel leaves, or None (float32 and vLLM's layout,
     which a decode kernel takes whole): 16-bit q over K/V rows (KvView.prefill_rows: flash NHD / HND caches, dense
-    varlen rows), head sizes up to 256 in the smallest bucket that holds them, ROWS (token, head) rows a CTA."""
+    varlen rows), head sizes up to 256 in the smallest bucket that holds them, 128 (token, head) rows a CTA (64 above
+    V's 128 on mma.sync). sm_90: paged_prefill_sm90_kernel (wgmma, warp-specialised: one CTA an SM); others:
+    paged_prefill_kernel (mma.sync)."""
     if key.kind == "mla" or key.q_dtype.itemsize != 2 or not key.prefill_rows:
         return None
     hd, vhd = next(b for b in PREFILL_BUCKETS if b[0] >= key.head_size and b[1] >= key.v_head_size
                    and (b[0] == b[1] or key.kv_code == KV_KINDS[0]))
     c = kernel_constants()
+    if key.arch == "sm_90":
+        h = hopper_constants()
+        return _route(key, prefill_sm90_kernel(key.ctype, key.kv_code, hd, vhd), -(-key.max_q * key.group // 128),
+                      h["HP_THREADS"], hopper_prefill_smem_bytes(hd, vhd), c["SM_REGISTERS"] // h["HP_THREADS"])
     return _route(key, prefill_kernel(key.ctype, key.kv_code, hd, vhd),
                   -(-key.max_q * key.group // prefill_shape(hd, vhd)[0]), c["PD_THREADS"],
                   prefill_smem_bytes(key.cache_itemsize, hd, vhd), c["PF_REGISTERS"])

@@ -10,6 +10,8 @@ reads every module for such tests).
 from __future__ import annotations
 
 import functools
+import os
+import re
 import sys
 
 import numpy as np
@@ -199,6 +201,32 @@ def sm_shared_bytes(xp) -> int:
 @functools.lru_cache(maxsize=None)
 def _device_sm_shared(device: int) -> int:
     return _cupy().cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"]
+
+
+SIM_ARCH = "sm_80"  # the kernels the sim's plans take by default (CUPAGED_SIM_ARCH names another: "sm_90")
+
+
+def device_arch(xp) -> str:
+    """The architecture whose kernels a plan takes by default: the device's ("sm_90"), or on the sim
+    CUPAGED_SIM_ARCH (default sm_80's: the sim sizes grids for an H200 but runs the kernels every GPU has unless
+    told otherwise; plan_attention(arch=...) names one for a single plan)."""
+    if xp is np:
+        return check_arch("CUPAGED_SIM_ARCH", os.environ.get("CUPAGED_SIM_ARCH") or SIM_ARCH)
+    return _device_arch(xp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: int) -> str:
+    return f"sm_{_cupy().cuda.Device(device).compute_capability}"
+
+
+def check_arch(name: str, arch) -> str:
+    """A CUDA architecture as plans name it: "sm_80", "sm_86", "sm_90" (sm_90a is sm_90's), "sm_100", ...; sm_80 at
+    least (the tensor-core kernels' floor)."""
+    m = re.fullmatch(r"sm_(\d{2,3})a?", arch) if isinstance(arch, str) else None
+    if m is None or int(m.group(1)) < 80:
+        raise ValueError(f"{name} must name a CUDA architecture from sm_80 on, like 'sm_80' or 'sm_90', got {arch!r}")
+    return f"sm_{m.group(1)}"
 
 
 def device_shared_limit(xp) -> tuple[int, str]:

@@ -51,6 +51,7 @@ class AttentionPlan:
     decode_max_q: int          # the longest run the decode kernel takes (ALL_ROWS: every run)
     decode_layout: str         # the KvView.decode_layout the decode kernel reads
     prior_state: bool = False  # cascade: the kernels write partials only, the merge folds in a prior (out, LSE)
+    arch: str = "sm_80"        # the architecture whose kernels it launches ("sm_90": the Hopper prefill kernel)
 
     @property
     def partial_shapes(self):
@@ -172,6 +173,7 @@ class PlanKey(NamedTuple):
     prefill_rows: bool         # KvView.prefill_rows
     min_query_len: int | None = None  # a hint: every run has at least this many queries (none: the decode kernel's)
     prior_state: bool = False         # AttentionPlan.prior_state
+    arch: str = "sm_80"               # AttentionPlan.arch
 
     @property
     def num_tokens(self) -> int:
@@ -252,4 +254,4 @@ def make_plan(key: PlanKey) -> AttentionPlan:
         merge=merge_launch(key) if split > 0 or key.prior_state else None,
         tiles=prefill.launch.grid[0] if prefill else 0, decode_tiles=decode.launch.grid[0],
         decode_max_q=decode.max_q if short_runs else 0,
-        decode_layout=key.decode_layout, prior_state=key.prior_state)
+        decode_layout=key.decode_layout, prior_state=key.prior_state, arch=key.arch)

@@ -21,9 +21,9 @@ import numpy as np
 from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._attention_args import (MAX_HEAD_SIZE, check_heads, check_q, check_tables, check_window, check_written,
                                     softmax_scales)
-from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, kernel_constants, tree_kernel
-from cupaged._backend import (capturing, device_shared_limit, empty, module_of, on_sim, sm_count, sm_shared_bytes,
-                              struct_arg)
+from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, family_of, kernel_constants, tree_kernel
+from cupaged._backend import (capturing, check_arch, device_arch, device_shared_limit, empty, module_of, on_sim, sm_count,
+                              sm_shared_bytes, struct_arg)
 from cupaged._cache_args import kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, check_bool, check_last_contiguous, check_optional_int, element_strides
 from cupaged._cost import attention_cost
@@ -61,13 +61,15 @@ def _packed_params(values: tuple) -> np.ndarray:
 @accepts_foreign_arrays
 def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None,
                    max_seq_len=None, kv_split_size=None, max_splits=None, always_partials=False, min_query_len=None,
-                   prior_state=False) -> AttentionPlan:
+                   prior_state=False, arch=None) -> AttentionPlan:
     """Plan attention of ``q`` over ``kv``; only the shapes of the index arrays are used (dense K/V:
     ``block_tables`` None and ``seq_lens`` = cu_seqlens_k). ``kv_split_size``: None chooses from the
     shape, 0 never splits, n splits every n keys; ``max_splits`` fixes the partial depth (vLLM v2).
     ``min_query_len``: a hint that every query run is at least this long; past PD_MAX_Q = 16 the prefill kernel takes
     every run and no decode kernel is launched (a hint that overstates costs speed, not results); ``prior_state`` (cascade): every split writes partials and the merge folds in run_attention's
-    ``prior_lse`` state, whose output is ``out``.
+    ``prior_lse`` state, whose output is ``out``. ``arch``: the architecture whose kernels the plan takes (None: the
+    device's; "sm_80", "sm_90", ...): on sm_90 long query runs take the Hopper prefill kernel, elsewhere the mma.sync
+    one; run_attention runs a plan of either on the sim.
     Every argument is checked (shapes, dtypes, hints; never the contents); planning a batch shape seen before
     then costs a dictionary lookup."""
     _check_plan_arrays(q, kv, block_tables, seq_lens, query_start_loc)
@@ -78,19 +80,20 @@ def plan_attention(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, 
                         max_splits=check_optional_int("max_splits", max_splits, 1),
                         always_partials=check_bool("always_partials", always_partials, strict=True),
                         min_query_len=check_optional_int("min_query_len", min_query_len, 0),
-                        prior_state=check_bool("prior_state", prior_state, strict=True))
+                        prior_state=check_bool("prior_state", prior_state, strict=True),
+                        arch=None if arch is None else check_arch("arch", arch))
 
 
 def plan_checked(q, kv: KvView, block_tables, seq_lens, query_start_loc=None, *, max_query_len=None, max_seq_len=None,
                  kv_split_size=None, max_splits=None, always_partials=False, min_query_len=None,
-                 prior_state=False) -> AttentionPlan:
+                 prior_state=False, arch=None) -> AttentionPlan:
     """plan_attention of arguments the caller has checked with the same checks (the ops: validate, plan, run)."""
     xp = module_of(q)
     return make_plan(PlanKey(tuple(q.shape), np.dtype(q.dtype), kv.kind, kv.kv_cache_dtype, kv.num_kv_heads,
                              kv.v_head_size, kv.block_size, None if block_tables is None else block_tables.shape[1],
                              seq_lens.shape[0], query_start_loc is None, max_query_len, max_seq_len, kv_split_size,
                              max_splits, always_partials, sm_count(xp), sm_shared_bytes(xp), kv.decode_layout,
-                             kv.prefill_rows, min_query_len, prior_state))
+                             kv.prefill_rows, min_query_len, prior_state, arch or device_arch(xp)))
 
 
 def _check_kv(kv) -> None:
@@ -136,7 +139,7 @@ _OPTED_IN: dict = {}  # id(kernel) -> (kernel, bytes): the dynamic shared memory
 def _kernel(plan: AttentionPlan, launch: Launch, xp):
     """One of the plan's main kernels, opted in for its shared memory once (the attribute is a driver
     call on a GPU), after checking that the device can give it."""
-    kernel = FAMILY.function(launch.kernel, xp)
+    kernel = family_of(launch.kernel).function(launch.kernel, xp)
     opted = _OPTED_IN.get(id(kernel))
     if opted is None or opted[1] < launch.shared_mem:
         if not on_sim(xp):

@@ -75,28 +75,32 @@ __device__ __forceinline__ void pf_convert(unsigned char* ck, unsigned char* cv,
   }
 }
 
+// Chunk c (8 elements) of a row's q (rows: its token and head), zero past head_size: one 16-byte load where the row
+// allows it.
+template <class T>
+__device__ __forceinline__ uint4 pf_q_chunk(const T* q, const PaRow& row, int c, const PaParams& p) {
+  const T* src = q + row.token * p.q_token_stride + row.head * p.q_head_stride + 8 * c;
+  if (8 * c + 8 <= p.head_size && reinterpret_cast<unsigned long long>(src) % 16 == 0)
+    return *reinterpret_cast<const uint4*>(src);
+  unsigned e[4];  // a head size's last chunk, or a view at an odd offset
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int d = 8 * c + 2 * k;
+    const T zero = from_float<T>(0.0f);
+    e[k] = tc_pack<T>(d < p.head_size ? src[2 * k] : zero, d + 1 < p.head_size ? src[2 * k + 1] : zero);
+  }
+  return make_uint4(e[0], e[1], e[2], e[3]);
+}
+
 // The row tile's q rows (rows: their tokens and heads) into the swizzled q tile, 8 elements a chunk (zero past
-// head_size and past the last row): one 16-byte load a chunk where the row allows it.
+// head_size and past the last row).
 template <class T, int HD, int ROWS>
 __device__ __forceinline__ void pf_load_q(unsigned char* qs, const T* q, const PaRow* rows, int nrows,
                                           const PaParams& p) {
   for (int i = threadIdx.x; i < ROWS * HD / 8; i += PD_THREADS) {
     const int r = i / (HD / 8), c = i % (HD / 8);
-    const T* src = q + rows[r].token * p.q_token_stride + rows[r].head * p.q_head_stride + 8 * c;
-    uint4 w = make_uint4(0u, 0u, 0u, 0u);
-    if (r < nrows && 8 * c + 8 <= p.head_size && reinterpret_cast<unsigned long long>(src) % 16 == 0) {
-      w = *reinterpret_cast<const uint4*>(src);
-    } else if (r < nrows) {  // a head size's last chunk, or a view at an odd offset
-      unsigned e[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int d = 8 * c + 2 * k;
-        const T zero = from_float<T>(0.0f);
-        e[k] = tc_pack<T>(d < p.head_size ? src[2 * k] : zero, d + 1 < p.head_size ? src[2 * k + 1] : zero);
-      }
-      w = make_uint4(e[0], e[1], e[2], e[3]);
-    }
-    *reinterpret_cast<uint4*>(qs + pf_at<HD * 2>(r, c)) = w;
+    *reinterpret_cast<uint4*>(qs + pf_at<HD * 2>(r, c)) =
+        r < nrows ? pf_q_chunk(q, rows[r], c, p) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -200,14 +204,15 @@ __device__ __forceinline__ void pf_values(float (&o)[MW][VHD / 8][4], const floa
   }
 }
 
-// The end of a prefill row tile: each lane's 2 MW rows (their sums over the quad first), written as a split's
-// partials or finished with the sink and the LSE, as pd_store does; o carries the V scale `oscale` still.
+// The end of a prefill row tile: each lane's 2 MW rows (their sums over the quad first; `warp`: the warp's place
+// among the tile's rows, MW m16 tiles each), written as a split's partials or finished with the sink and the LSE, as
+// pd_store does; o carries the V scale `oscale` still.
 template <class T, int VHD, int MW>
 __device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const float (&m)[MW][2],
-                                         float (&l)[MW][2], const PaRow* rows, int nrows, int split, int num_splits,
-                                         int seq_len, float oscale, T* out, float* lse, float* max_logits,
-                                         float* exp_sums, void* tmp_output, const PaParams& p) {
-  const int warp = threadIdx.x / 32, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+                                         float (&l)[MW][2], const PaRow* rows, int nrows, int warp, int split,
+                                         int num_splits, int seq_len, float oscale, T* out, float* lse,
+                                         float* max_logits, float* exp_sums, void* tmp_output, const PaParams& p) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   // vLLM v2 leaves the empty ones unwritten; cascade's shared levels (partials_only) write every one
   const bool partial = (num_splits > 1 || p.always_partials) && seq_len > 0 || p.partials_only;
   const bool finish = num_splits == 1 && !p.partials_only;  // the whole context was this CTA's
@@ -363,7 +368,7 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
       }
       pf_values<T, VHD, TILE, MW>(o, s, vt, lane);
     });
-    pf_store<T, VHD, MW>(o, m, l, rows, nrows, split, sq.splits.count, sq.seq_len,
+    pf_store<T, VHD, MW>(o, m, l, rows, nrows, warp, split, sq.splits.count, sq.seq_len,
                          pa_cache_scale<KV>(v_scale, p.v_scale_value, kv_head, p), out, lse, max_logits, exp_sums,
                          tmp_output, p);
     __syncthreads();  // the next row tile rewrites rows and the q tile
