@@ -101,9 +101,10 @@ def hopper_prefill_pipeline(hd: int, vhd: int) -> tuple[int, int]:
 
 
 def hopper_prefill_smem_bytes(hd: int, vhd: int) -> int:
-    """Dynamic shared memory of paged_prefill_sm90_kernel: HpSmem::BYTES (1 KB of alignment slack, q, the ring)."""
+    """Dynamic shared memory of paged_prefill_sm90_kernel: HpSmem::BYTES (HP_FIXED: the alignment slack, mbarriers
+    and rows; then q and the ring)."""
     stages, stage = hopper_prefill_pipeline(hd, vhd)
-    return 1024 + 2 * hd // 64 * 64 * 128 + stages * stage
+    return hopper_constants()["HP_FIXED"] + 2 * hd // 64 * 64 * 128 + stages * stage
 
 
 @functools.lru_cache(maxsize=None)

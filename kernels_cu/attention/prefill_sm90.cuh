@@ -32,7 +32,7 @@ constexpr int HP_THREADS = 384;              // the producer warpgroup and two c
 constexpr int HP_PRODUCER_REGISTERS = 64;    // setmaxnreg: 128 x 64 + 256 x 224 = SM_REGISTERS
 constexpr int HP_CONSUMER_REGISTERS = 224;
 constexpr int HP_SMEM_LIMIT = 232448;        // sm_90's dynamic shared memory a block (227 KB), static included
-constexpr int HP_FIXED = 9216;               // of which the alignment slack (1 KB) and the static rows and mbarriers
+constexpr int HP_FIXED = 9216;               // of which the alignment slack (1 KB), the mbarriers and the rows
 
 template <class CacheT, int HD, int VHD>
 struct HpSmem {
@@ -40,10 +40,12 @@ struct HpSmem {
   static constexpr int K_DIMS = HD, V_DIMS = VHD, KP = HD / 64, VP = VHD / 64;
   static constexpr int STAGE = (KP + VP) * PANEL;  // a tile's K panels, then its V panels, in q's type
   static constexpr int Q = 2 * KP * PANEL;         // each consumer's 64 q rows
-  static_assert(1024 + ROWS * sizeof(PaRow) + 64 <= HP_FIXED, "the static rows and mbarriers fit their allowance");
   static constexpr int FIT = (HP_SMEM_LIMIT - HP_FIXED - Q) / STAGE;
   static constexpr int STAGES = FIT < 4 ? FIT : 4;
-  static constexpr int BYTES = 1024 + Q + STAGES * STAGE;  // dynamic: the alignment slack, q, the ring
+  static constexpr int BARS = Q + STAGES * STAGE, ROW_AT = BARS + 64;  // full[s], empty[s]; then the PaRows
+  static_assert(1024 + 64 + ROWS * sizeof(PaRow) <= HP_FIXED, "the mbarriers and rows fit their allowance");
+  // all dynamic (no static __shared__): the sim's shared window stays within the 256 KB a descriptor addresses
+  static constexpr int BYTES = HP_FIXED + Q + STAGES * STAGE;
   static __device__ __forceinline__ int k_at(int j, int c) { return wg_at<PANEL>(j, c); }
   static __device__ __forceinline__ int v_at(int j, int c) { return KP * PANEL + wg_at<PANEL>(j, c); }
 };
@@ -260,8 +262,6 @@ __global__ void __launch_bounds__(HP_THREADS, 1) paged_prefill_sm90_kernel(
   typedef typename CacheType<KV, T>::type CacheT;
   typedef HpSmem<CacheT, HD, VHD> S;
   extern __shared__ __align__(128) unsigned char hp_smem[];
-  __shared__ PaRow rows[S::ROWS];
-  __shared__ alignas(8) unsigned long long bars[2 * S::STAGES];  // full[s], then empty[s]
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, mask_indptr, p);
   const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
@@ -271,7 +271,8 @@ __global__ void __launch_bounds__(HP_THREADS, 1) paged_prefill_sm90_kernel(
     return;
   }
   unsigned char* smem = hp_smem + (1024u - tc_smem(hp_smem) % 1024u) % 1024u;  // 1024-byte aligned panels
-  const unsigned full = tc_smem(bars), empty = full + 8 * S::STAGES;
+  PaRow* rows = reinterpret_cast<PaRow*>(smem + S::ROW_AT);
+  const unsigned full = tc_smem(smem + S::BARS), empty = full + 8 * S::STAGES;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::STAGES; ++s) {
       wg_mbar_init(full + 8 * s, 128);  // every producer thread, once its copies landed

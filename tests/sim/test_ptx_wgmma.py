@@ -39,8 +39,9 @@ def layout(rows: int, eb: int, major: str, swizzle: str) -> tuple[int, int, int]
 
 
 def source(n, ta, tb, acc, a_regs, trans_a=0, trans_b=0, neg_a=1, neg_b=1, fence_proxy=True, fence_wgmma=True,
-           between=""):
-    """A kernel running one wgmma; ``between``: code between its commit_group and its wait_group."""
+           between="", extra=""):
+    """A kernel running one wgmma; ``between``: code between its commit_group and its wait_group; ``extra``: more
+    code in the module."""
     fp8 = ta in ("e4m3", "e5m2")
     nd, k = (n // 4 if acc == "f16" else n // 2), (32 if fp8 else 16)
     dt, con = ("unsigned", "+r") if acc == "f16" else ("float", "+f")
@@ -73,7 +74,7 @@ extern "C" __global__ void wg(const unsigned char* image, int image_bytes, const
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   for (int i = 0; i < {nd}; ++i) out[t * {nd} + i] = d[i];
 }}
-"""
+{extra}"""
 
 
 def run_case(backend, n, ta, tb, acc, a_regs, major_a="K", major_b="K", swz_a="none", swz_b="none",
@@ -189,6 +190,19 @@ def test_registers_in_flight_read_poison(monkeypatch, order):
     check = f"if (__float_as_uint(d[0]) != {word} || a[3] != {word}) __trap();"
     got, want = run_case(Backend("sim"), 16, "f16", "f16", "f32", True, between=check)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_shared_window_past_the_descriptors_reach_is_an_error():
+    """The sim keeps every kernel's static __shared__ of a module ahead of the dynamic buffer, so a launch's shared
+    addresses can pass the 256 KB a descriptor's start reaches (no GPU kernel's can): the descriptor's address would
+    wrap onto other bytes and the wgmma read garbage silently (paged_prefill_sm90_kernel's d256 instantiations did,
+    beside 19 others' static rows). Now it is an error naming the cause."""
+    pads = "".join(f'extern "C" __global__ void pad{i}(float* x) {{ __shared__ float s{i}[10240]; '
+                   f's{i}[threadIdx.x] = 1.0f; __syncthreads(); x[threadIdx.x] = s{i}[threadIdx.x]; }}\n'
+                   for i in range(7))  # 7 x 40 KB of static shared memory in the module
+    with pytest.raises(sim.SimError, match="256 KB a matrix descriptor"):
+        run_case(Backend("sim"), 16, "bf16", "bf16", "f32", False, extra=pads)
+    run_case(Backend("sim"), 16, "bf16", "bf16", "f32", False, extra=pads.replace("10240", "1024"))
 
 
 @pytest.mark.parametrize("order", ORDERS)

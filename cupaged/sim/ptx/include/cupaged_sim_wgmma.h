@@ -70,6 +70,13 @@ CUPAGED_SIM_ASYNC_FN static unsigned long long wgmma_address(unsigned long long 
   else if (!mode) a = start + (r % t) * bytes + (r / t) * sbo + (k % 8) * 16 + (k / 8) * lbo;
   else a = start + (r % t) * bytes + (r / t % w) * 16 + (r / (t * w)) * lbo + (k % 8) * 16 * w + (k / 8) * sbo;
   if (mode) a ^= (((a >> 7) - unsigned(base)) & unsigned(w - 1)) << 4;
+  if (g.smem_size > (1ull << 18)) {  // the module's static __shared__ of every kernel precede the dynamic buffer
+    set_error(E_MEMORY, "inline PTX (line %d): wgmma.mma_async: this launch's shared window is %llu bytes (the static "
+              "__shared__ variables of every kernel in the module, then the dynamic buffer), over the 256 KB a matrix "
+              "descriptor's start address reaches: addresses past it would wrap; keep the kernels of a wgmma module's "
+              "shared memory dynamic", line, g.smem_size);
+    abort_fiber();
+  }
   if (a + bytes > g.smem_size) {
     set_error(E_MEMORY, "inline PTX (line %d): wgmma.mma_async: the descriptor 0x%016llx puts element (%d, %d) at shared "
               "address 0x%llx, outside the block's %llu bytes of shared memory", line, desc, r, k, a, g.smem_size);
