@@ -203,15 +203,19 @@ def _device_sm_shared(device: int) -> int:
     return _cupy().cuda.Device(device).attributes["MaxSharedMemoryPerMultiprocessor"]
 
 
-SIM_ARCH = "sm_80"  # the kernels the sim's plans take by default (CUPAGED_SIM_ARCH names another: "sm_90")
+SIM_ARCH = "sm_80"  # the kernels the sim's plans take while CUPAGED_SIM_ARCH is unset
 
 
 def device_arch(xp) -> str:
-    """The architecture whose kernels a plan takes by default: the device's ("sm_90"), or on the sim
-    CUPAGED_SIM_ARCH (default sm_80's: the sim sizes grids for an H200 but runs the kernels every GPU has unless
-    told otherwise; plan_attention(arch=...) names one for a single plan)."""
+    """The architecture whose kernels a plan takes by default: the device's ("sm_90"); on the sim the one
+    CUPAGED_SIM_ARCH names (it holds launches to that architecture's shared memory too: cupaged/sim/_env.py), and
+    while it is unset sm_80's, the kernels every GPU runs (the sim's launches are held to sm_90's limits then)."""
     if xp is np:
-        return check_arch("CUPAGED_SIM_ARCH", os.environ.get("CUPAGED_SIM_ARCH") or SIM_ARCH)
+        if not os.environ.get("CUPAGED_SIM_ARCH"):
+            return SIM_ARCH
+        from cupaged.sim import _env
+
+        return check_arch("CUPAGED_SIM_ARCH", _env.arch())
     return _device_arch(xp.cuda.Device().id)
 
 

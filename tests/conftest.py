@@ -88,10 +88,16 @@ BACKENDS = [*(pytest.param(("sim", o), id=repr(Backend("sim", o))) for o in SIM_
             pytest.param(("cuda", None), id="cuda", marks=pytest.mark.skipif(not gpu_available(), reason="no GPU"))]
 
 
+SLOW_ORDERS = {"test_paged_attention_sm90.py": "[sim-reverse-"}  # modules whose default run skips an order
+
+
 def pytest_collection_modifyitems(items):
     for item in items:  # a kernel test: one that runs on a backend
         if "backend" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.kernel)
+            order = SLOW_ORDERS.get(item.path.name)
+            if order and order in item.name.replace("[sim-reverse]", "[sim-reverse-"):
+                item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(params=BACKENDS)
