@@ -1,5 +1,6 @@
 """The Hopper route (kernels_cu/paged_attention_sm90.cu: paged_prefill_sm90_kernel) against the float64 reference:
-the prefill cases of test_paged_attention.py's covering set and test_varlen_attention.py's grid, run through plans
+the prefill cases of test_paged_attention.py's covering set, test_varlen_attention.py's grid, understated hints and
+tree masks, run through plans
 made for sm_90 (CUPAGED_SIM_ARCH=sm_90 on the sim; on a GPU, device 0 must be an sm_90 one), plus the routing itself:
 plan_attention(arch=...) picks paged_prefill_sm90_kernel on sm_90 and paged_prefill_kernel elsewhere, and a plan of
 either runs on the sim. By default natural and one random order run (reverse under -m slow; tests/conftest.py marks
@@ -16,6 +17,8 @@ import cupaged
 from cupaged import KvView, reference
 from cupaged._attention_kernels import kernel_constants
 from cupaged.testing import assert_close, tolerance
+from tests import test_attention_hints as hints
+from tests import test_custom_mask as masks
 from tests import test_paged_attention as paged
 from tests import test_varlen_attention as varlen
 
@@ -45,6 +48,11 @@ test_varlen_against_reference = varlen.test_varlen_against_reference
 test_hints_out_and_scale = varlen.test_hints_out_and_scale
 test_strided_q_and_out_views = paged.test_strided_q_and_out_views
 test_split_and_no_split_agree = paged.test_split_and_no_split_agree
+# a CTA's later row tiles (rows past the hint) run on through the ring; the prefill kernel alone taking every run
+test_paged_attention_understated_hints_still_right = hints.test_paged_attention_understated_hints_still_right
+test_paged_attention_min_query_len_drops_the_decode_launch_and_never_a_row = \
+    hints.test_paged_attention_min_query_len_drops_the_decode_launch_and_never_a_row
+test_tree_masks_match_the_reference = masks.test_tree_masks_match_the_reference
 
 
 def _dense(lens_q, lens_k, heads=(8, 2), d=128, dtype=ml_dtypes.bfloat16, seed=0):

@@ -63,7 +63,8 @@ __device__ __forceinline__ uint4 hp_chunk(const CacheT* src, int c, long long cs
     if (vec && 8 * c + 8 <= dims) {
       codes = *reinterpret_cast<const uint2*>(from);
     } else {
-      for (int e = 0; e < 8 && 8 * c + e < dims; ++e) (e < 4 ? codes.x : codes.y) |= unsigned(from[e * es]) << 8 * (e % 4);
+      for (int e = 0; e < 8 && 8 * c + e < dims; ++e)
+        (e < 4 ? codes.x : codes.y) |= unsigned(from[e * es]) << 8 * (e % 4);
     }
     return make_uint4(tc_fp8x2<KV, T>(codes.x), tc_fp8x2<KV, T>(codes.x >> 16), tc_fp8x2<KV, T>(codes.y),
                       tc_fp8x2<KV, T>(codes.y >> 16));
@@ -97,23 +98,24 @@ __device__ __forceinline__ void hp_issue(unsigned char* stage, const CacheT* key
   }
   const CacheT* kr = key_cache + kv_head * p.k_head_stride + (live ? kb + row * p.k_page_stride : 0);
   const CacheT* vr = value_cache + kv_head * p.v_head_stride + (live ? vb + row * p.v_page_stride : 0);
-  if (async) {
+  if (async) {  // chunk c = 2 i + h: trip counts known at compile time, so every loop unrolls whole
 #pragma unroll
-    for (int c = h; c < S::K_DIMS / 8; c += 2)
-      kv_copy16(stage + S::k_at(j, c), kr + c * p.k_chunk_stride, !live || 8 * c >= p.head_size);
+    for (int i = 0; i < S::K_DIMS / 16; ++i)
+      kv_copy16(stage + S::k_at(j, 2 * i + h), kr + (2 * i + h) * p.k_chunk_stride,
+                !live || 16 * i + 8 * h >= p.head_size);
 #pragma unroll
-    for (int c = h; c < S::V_DIMS / 8; c += 2)
-      kv_copy16(stage + S::v_at(j, c), vr + 8 * c, !live || 8 * c >= p.v_head_size);
+    for (int i = 0; i < S::V_DIMS / 16; ++i)
+      kv_copy16(stage + S::v_at(j, 2 * i + h), vr + 16 * i + 8 * h, !live || 16 * i + 8 * h >= p.v_head_size);
     return;
   }
 #pragma unroll 2
-  for (int c = h; c < S::K_DIMS / 8; c += 2)
-    *reinterpret_cast<uint4*>(stage + S::k_at(j, c)) =
-        hp_chunk<KV, T>(kr, c, p.k_chunk_stride, 1, p.head_size, p.vec_k, live);
+  for (int i = 0; i < S::K_DIMS / 16; ++i)
+    *reinterpret_cast<uint4*>(stage + S::k_at(j, 2 * i + h)) =
+        hp_chunk<KV, T>(kr, 2 * i + h, p.k_chunk_stride, 1, p.head_size, p.vec_k, live);
 #pragma unroll 2
-  for (int c = h; c < S::V_DIMS / 8; c += 2)
-    *reinterpret_cast<uint4*>(stage + S::v_at(j, c)) =
-        hp_chunk<KV, T>(vr, c, X * p.v_dim_stride, p.v_dim_stride, p.v_head_size, p.vec_v, live);
+  for (int i = 0; i < S::V_DIMS / 16; ++i)
+    *reinterpret_cast<uint4*>(stage + S::v_at(j, 2 * i + h)) =
+        hp_chunk<KV, T>(vr, 2 * i + h, X * p.v_dim_stride, p.v_dim_stride, p.v_head_size, p.vec_v, live);
 }
 
 // The producer's part of one row tile: its keys lo..hi in tiles of S::TILE through the ring; n counts the CTA's
