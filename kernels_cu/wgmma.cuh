@@ -53,14 +53,19 @@ __device__ __forceinline__ void wg_registers_inc() { asm volatile("setmaxnreg.in
 template <int N>
 __device__ __forceinline__ void wg_registers_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
 
-// Descriptors of 128-byte swizzled operands at shared address a (1024-byte aligned panels; a k-slice's offset
-// added): K-major (LBO unused), MN-major with the next 64 columns LBO bytes on.
-__device__ __forceinline__ unsigned long long wg_desc_k(unsigned a) {
-  return (unsigned long long)((a & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+// Descriptors of 128-byte swizzled operands (1024-byte aligned panels), in two 32-bit words: the low one holds the
+// start address (a k-slice's offset is one 32-bit add to it: addresses stay below 256 KB, so the 14-bit field never
+// carries) and the LBO, the high one SBO = 1024 and the swizzle mode, the same for every operand here.
+//   K-major (Q, K): LBO unused (1). MN-major (V): the next 64 columns LBO bytes on.
+constexpr unsigned WG_DESC_HI = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ unsigned wg_desc_lo_k(unsigned a) { return ((a & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ unsigned wg_desc_lo_mn(unsigned a, unsigned lbo) {
+  return ((a & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16);
 }
-__device__ __forceinline__ unsigned long long wg_desc_mn(unsigned a, unsigned lbo) {
-  return (unsigned long long)((a & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) | (64ull << 32) |
-         (1ull << 62);
+__device__ __forceinline__ unsigned long long wg_desc(unsigned lo) {
+  unsigned long long d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(WG_DESC_HI));
+  return d;
 }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

@@ -1,9 +1,9 @@
-"""paged_prefill_kernel's counts from the sim's profiler (cupaged.sim.profile), the bounds it is held to: key_cache
-bytes requested <= 1.1 x the sum over 64-row query tiles of (keys up to the tile's last row, rounded up to 128) x
-the K row bytes, i.e. each K tile read once per query tile of >= 64 rows; tensor-core FLOPs >= 95% of the op's
-declared FLOPs, and the SASS HMMA instructions counted (model v2) x 4096 equal to them; shared-memory bank
-conflicts <= 5% of the wavefronts. Counts, not times: the same on every
-machine."""
+"""The prefill kernels' counts from the sim's profiler (cupaged.sim.profile): paged_prefill_kernel (sm_80's plans)
+and paged_prefill_sm90_kernel (sm_90's), held to the same bounds: key_cache bytes requested <= 1.1 x the sum over
+64-row query tiles of (keys up to the tile's last row, rounded up to 128) x the K row bytes, i.e. each K tile read
+once per query tile of >= 64 rows; tensor-core FLOPs (mma.sync's or wgmma's) >= 95% of the op's declared FLOPs, and
+for mma.sync the SASS HMMA instructions counted (model v2) x 4096 equal to them; shared-memory bank conflicts <= 5%
+of the wavefronts. Counts, not times: the same on every machine."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def _key_bound(seq_lens, q_lens, group, num_kv_heads, row_bytes, causal=True) ->
 
 def _check_counts(launch):
     cost = launch.declared
-    assert launch.mma_flops >= 0.95 * cost.flops, (launch.mma_flops, cost.flops)
-    if launch.instruction_mix is not None:  # model v2's cross-check: each SASS HMMA.16816 is 2*16*8*16 FLOPs
+    flops = launch.mma_flops + launch.gmma_flops
+    assert flops >= 0.95 * cost.flops, (flops, cost.flops)
+    if launch.instruction_mix is not None and launch.mma_flops:  # model v2's: a SASS HMMA.16816 is 2*16*8*16 FLOPs
         assert launch.instruction_mix["mma"] * 4096 == launch.mma_flops, (launch.instruction_mix, launch.mma_flops)
     assert launch.shared.bank_conflicts <= 0.05 * launch.shared.wavefronts
 
@@ -41,7 +42,10 @@ def _check_counts(launch):
     ((8, 1), np.float16, "fp8_e4m3", 64, [130, 65], [400, 65]),         # a chunk over a cached prefix, GQA 8, fp8
     ((4, 4), np.float16, "auto", 256, [100], [260]),                    # head 256: one m16 tile a warp
 ], ids=["bf16-gqa4-d128", "fp16-gqa8-fp8-d64", "fp16-mha-d256"])
-def test_prefill_reads_each_k_tile_once_per_query_tile(heads, dtype, kv_cache_dtype, head_size, q_lens, seq_lens):
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_prefill_reads_each_k_tile_once_per_query_tile(monkeypatch, arch, heads, dtype, kv_cache_dtype, head_size,
+                                                       q_lens, seq_lens):
+    monkeypatch.setenv("CUPAGED_SIM_ARCH", arch)
     num_heads, num_kv_heads = heads
     rng = np.random.default_rng(7)
     kv = paged_kv(seq_lens, block_size=16, head_size=head_size, num_kv_heads=num_kv_heads, dtype=dtype,
@@ -59,8 +63,10 @@ def test_prefill_reads_each_k_tile_once_per_query_tile(heads, dtype, kv_cache_dt
     _check_counts(launch)
 
 
-def test_varlen_192_128_prefill_counts():
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_varlen_192_128_prefill_counts(monkeypatch, arch):
     """MLA prefill's shape on dense rows (QK 192, V 128, non-causal): the same bounds."""
+    monkeypatch.setenv("CUPAGED_SIM_ARCH", arch)
     rng = np.random.default_rng(8)
     lens = [200, 77]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)

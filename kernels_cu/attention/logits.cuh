@@ -170,4 +170,13 @@ __device__ __forceinline__ float pa_rescale(float& m, float mx) {
   return alpha;
 }
 
+// The lazy rescale of the prefill kernels: m moves on only where the tile's max passes it by more than
+// `headroom` (base 2), so most tiles leave the row's sum and output as they are (factor 1: the caller skips the
+// pass over o). Weights are then up to 2^headroom, not 1: exact in float32 and well inside 16-bit P's range; the
+// sum, the LSE (m + log l) and a split's partials (m, l relative to it) are the same numbers.
+__device__ __forceinline__ float pa_rescale(float& m, float mx, float headroom) {
+  if (m != neg_inf() && !(mx > m + headroom)) return 1.0f;
+  return pa_rescale(m, mx);
+}
+
 }  // namespace cupaged

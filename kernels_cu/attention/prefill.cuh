@@ -129,12 +129,15 @@ __device__ __forceinline__ void pf_scores(float (&s)[MW][TILE / 8][4], const uns
   }
 }
 
+constexpr float PF_HEADROOM = 8.0f;  // base 2: weights up to 256 before a row's max moves on (pa_rescale)
+
 // Row g + 8 e of one m tile of scores (keys key0 + 8 n + h, key0 = the tile's first + 2t): the logit step in base
 // 2 (logits.cuh) and, when `masked`, the row's visible range; then the online-softmax step: the scores become
 // P = 2^{s2 - m2} (0 where masked: selection), (m, l) move on (l over this lane's keys), and the factor that
 // rescales o is returned. Without softcap and ALiBi (`biased` false) the scores stay q . k, their max is scaled
 // once and each weight is one FFMA and one MUFU.EX2 (qscale2 = log2(e) qscale > 0); the mask and the bias cost
-// nothing on tiles and launches that need none.
+// nothing on tiles and launches that need none. The max moves on lazily (pa_rescale with PF_HEADROOM): a factor of 1
+// (the caller's o untouched) unless a tile's max passes the row's by more than 2^PF_HEADROOM.
 template <int NT>
 __device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, float& l, const PaRow& row, int key0,
                                             bool masked, bool biased, float qscale, float qscale2, float softcap,
@@ -147,19 +150,26 @@ __device__ __forceinline__ float pf_softmax(float (&s)[NT][4], int e, float& m, 
         s[n][2 * e + h] = pa_logit(s[n][2 * e + h], qscale, softcap, row.slope, key0 + 8 * n + h, row.pos);
   }
   const float factor = biased ? 1.0f : qscale2;
-  if (masked) {
+  if (masked && custom_mask) {
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         if (!pa_row_sees(row, key0 + 8 * n + h, custom_mask)) s[n][2 * e + h] = neg_inf();
+  } else if (masked) {  // the row's range alone: two compares a score
+    const int lo = row.lo, hi = row.hi;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (!pa_sees(key0 + 8 * n + h, lo, hi)) s[n][2 * e + h] = neg_inf();
   }
   float mx = neg_inf();
 #pragma unroll
   for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * e], s[n][2 * e + 1]));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-  const float alpha = pa_rescale(m, mx * factor);
+  const float alpha = pa_rescale(m, mx * factor, PF_HEADROOM);  // lazy: most tiles leave o as it is
   const float pivot = pa_pivot(m);
   float sum = 0.0f;
 #pragma unroll
@@ -234,19 +244,25 @@ __device__ __forceinline__ void pf_store(const float (&o)[MW][VHD / 8][4], const
       const float lv = l[mi][e], mn = pa_natural(m[mi][e]);
       const SoftmaxFinish fin = softmax_finish(mn, lv, row.sink);
       const float fp = oscale * (lv > 0.0f ? 1.0f / lv : 0.0f), fo = oscale * fin.scale;
+      T* dst = out + row.token * p.out_token_stride + row.head * p.out_head_stride;
+      const long long at = (th * p.max_splits + split) * p.v_head_size;
+      const bool pairs = reinterpret_cast<unsigned long long>(dst) % 4 == 0;  // a lane's 2 columns: one 32-bit store
 #pragma unroll
-      for (int n = 0; n < VHD / 8; ++n)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int d = 8 * n + 2 * t + h;
-          const float x = o[mi][n][2 * e + h];
-          if (d >= p.v_head_size) continue;
-          if (partial)
-            pa_store_partial<T>(tmp_output, (th * p.max_splits + split) * p.v_head_size + d, x * fp,
-                                p.partials_in_out_type);
-          if (finish) out[row.token * p.out_token_stride + row.head * p.out_head_stride + d] =
-                                   from_float<T>(x * fo);
+      for (int n = 0; n < VHD / 8; ++n) {
+        const int d = 8 * n + 2 * t;  // and d + 1: v_head_size is a multiple of 8
+        const float x0 = o[mi][n][2 * e], x1 = o[mi][n][2 * e + 1];
+        if (d >= p.v_head_size) break;
+        if (partial) {
+          pa_store_partial<T>(tmp_output, at + d, x0 * fp, p.partials_in_out_type);
+          pa_store_partial<T>(tmp_output, at + d + 1, x1 * fp, p.partials_in_out_type);
         }
+        if (finish && pairs) {
+          *reinterpret_cast<unsigned*>(dst + d) = tc_pack<T>(from_float<T>(x0 * fo), from_float<T>(x1 * fo));
+        } else if (finish) {
+          dst[d] = from_float<T>(x0 * fo);
+          dst[d + 1] = from_float<T>(x1 * fo);
+        }
+      }
       if (t == 0 && partial) {
         max_logits[th * p.max_splits + split] = mn;
         exp_sums[th * p.max_splits + split] = lv;

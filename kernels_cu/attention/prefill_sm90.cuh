@@ -78,16 +78,18 @@ __device__ __forceinline__ uint4 hp_chunk(const CacheT* src, int c, long long cs
   }
 }
 
-// Key j's K and V rows of a tile (pos: its position, past hi: none) into a stage: threads 2 j and 2 j + 1 take its
-// even and odd chunks (8 elements), so a warp's copies read whole 32-byte sectors of 16 keys and write 16 swizzled
-// rows without bank conflicts. 16-bit rows: one cp.async a chunk (`async`: rows 16-byte aligned), zero-filled past
+// A thread's key j of a tile starting at `base` (past hi: none) into a stage, its chunks (8 elements) of parity h: a
+// warp takes 16 keys, two threads a key, so each copy instruction reads whole 32-byte sectors; a quarter warp (the
+// 8 16-byte accesses of one shared-memory wavefront) takes keys 2 apart, whose chunks 2 i + h land in 8 different
+// 16-byte bank groups of the swizzled rows (2 i ^ h ^ j % 8): no bank conflicts. 16-bit rows: one cp.async a chunk (`async`: rows 16-byte aligned), zero-filled past
 // the head size and the last key; fp8 codes and unaligned rows through registers, converted to q's type (exact).
 template <int KV, class T, class CacheT, class S>
 __device__ __forceinline__ void hp_issue(unsigned char* stage, const CacheT* key_cache, const CacheT* value_cache,
-                                         const int* table, long long key_row0, int pos, int hi, int kv_head,
+                                         const int* table, long long key_row0, int base, int hi, int kv_head,
                                          bool async, const PaParams& p) {
   constexpr int X = 16 / int(sizeof(CacheT));
-  const int j = threadIdx.x / 2, h = threadIdx.x % 2;
+  const int lane = threadIdx.x % 32, quarter = lane / 8, h = lane % 2;
+  const int j = 16 * int(threadIdx.x / 32) + 8 * (quarter / 2) + quarter % 2 + 2 * (lane % 8 / 2), pos = base + j;
   const bool live = pos <= hi;
   long long row = key_row0 + pos, kb = 0, vb = 0;
   if (table && live) {
@@ -131,7 +133,7 @@ __device__ __forceinline__ void hp_produce(unsigned char* ring, unsigned full, u
     const int s = n % S::STAGES;
     wg_mbar_wait(empty + 8 * s, ((n / S::STAGES) & 1) ^ 1);  // the consumers are done with the stage's last tile
     hp_issue<KV, T, CacheT, S>(ring + s * S::STAGE, key_cache, value_cache, table, key_row0,
-                               lo + u * S::TILE + int(threadIdx.x) / 2, hi, kv_head, async, p);
+                               lo + u * S::TILE, hi, kv_head, async, p);
     if (async) {
       asm volatile("cp.async.commit_group;" ::: "memory");
       if (u == 0) continue;
@@ -168,11 +170,12 @@ __device__ __forceinline__ void hp_step(float (&o)[1][S::V_DIMS / 8][4], float (
   float s[S::TILE / 8][4];
 #pragma unroll
   for (int n = 0; n < S::TILE / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+  const unsigned dq = wg_desc_lo_k(q), dk = wg_desc_lo_k(k), dv = wg_desc_lo_mn(v, S::PANEL);
   wg_fence();
 #pragma unroll
   for (int j = 0; j < S::K_DIMS / 16; ++j) {
-    const unsigned at = (j / 4) * S::PANEL + 32 * (j % 4);
-    wg_ss64<T>(s, wg_desc_k(q + at), wg_desc_k(k + at));
+    const unsigned at = ((j / 4) * S::PANEL + 32 * (j % 4)) >> 4;  // k-slice j, in the descriptors' 16-byte units
+    wg_ss64<T>(s, wg_desc(dq + at), wg_desc(dk + at));
   }
   wg_commit();
   wg_wait<0>();
@@ -195,7 +198,7 @@ __device__ __forceinline__ void hp_step(float (&o)[1][S::V_DIMS / 8][4], float (
   }
   wg_fence();
 #pragma unroll
-  for (int j = 0; j < S::TILE / 16; ++j) wg_rs<T, S::V_DIMS>(o[0], a[j], wg_desc_mn(v + 2048u * j, S::PANEL));
+  for (int j = 0; j < S::TILE / 16; ++j) wg_rs<T, S::V_DIMS>(o[0], a[j], wg_desc(dv + (2048u >> 4) * j));
   wg_commit();
   wg_wait<0>();
 }
@@ -210,7 +213,10 @@ __device__ __forceinline__ void hp_consume(unsigned char* smem, PaRow* rows, uns
                                            const unsigned char* custom_mask, float qscale, float oscale, T* out,
                                            float* lse, float* max_logits, float* exp_sums, void* tmp_output,
                                            const PaParams& p) {
-  const int c = threadIdx.x / 128 - 1, tid = threadIdx.x % 128, warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;
+  // the warpgroup, through a shuffle so that ptxas knows it warp-uniform: the descriptors built from it stay in
+  // uniform registers (no R2UR a wgmma)
+  const int c = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0) - 1;
+  const int tid = threadIdx.x % 128, warp = threadIdx.x / 32 - 4, lane = threadIdx.x % 32;
   const int first = 64 * c, mine = min(max(nrows - first, 0), 64);
   wg_sync(2 + c, 128);  // the warpgroup's last row tile is done with its rows and q panels
   if (tid < 64) {
