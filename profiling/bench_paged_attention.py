@@ -9,8 +9,11 @@ head 128, fp16 / bf16 / fp8_e4m3; decode 1 x 32768 32/8 fp16; prefill 8 x 2048 c
 non-causal, 128 heads, QK 192 / V 128 bf16 (MLA prefill's shape); a mixed batch of 4 prefill chunks of 512 and 256
 decode tokens (contexts 2048, 32/8 heads, bf16) beside its two halves alone; ``cascade_decode`` (64 requests
 behind one 4096-token prompt, 256 own tokens each) and ``tree_verify`` (64 requests verifying 64-token draft trees
-over 4096-token contexts), profiling/_serving_rows.py (``--sweep`` adds decode contexts
-512..16384 and prefill lengths 512 and 1024). Without either: a
+over 4096-token contexts), profiling/_serving_rows.py; then the prefill rows again on sm_90's route
+(paged_prefill_sm90_kernel, rows with ``arch`` "sm_90": 8 x 2048 at head sizes 64, 128 and 256, varlen 192 / 128,
+the mixed batch and its halves; the others are sm_80's route, the sim's default) (``--sweep`` adds decode contexts
+512..16384 and prefill lengths 512 and 1024). On an sm_90 GPU the prefill rows are measured on both routes (the
+device's and sm_80's, ``arch`` in each row). Without either: a
 smoke run of tiny sizes on the sim (CPU timings of the simulator, not GPU timings).
 
     python profiling/bench_paged_attention.py [--json out.json] [--model [--sweep]] [--quick]
@@ -19,6 +22,7 @@ smoke run of tiny sizes on the sim (CPU timings of the simulator, not GPU timing
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -60,11 +64,12 @@ def cost(s: dict):
 
 
 def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, head=HEAD, block=BLOCK,
-          kv_split_size=None, workspace=False):
+          kv_split_size=None, workspace=False, arch=None):
     """A launch of ``num_seqs`` sequences of ``context`` tokens on ``device`` ("sim" or "cuda"): caches from
     cupaged.testing.paged_kv (shuffled blocks, a last block's unused slots poisoned; fp8 at scale 0.1).
     ``workspace``: the split partials live in one buffer across calls (a projection's warm-up run fills
-    the partials of the CTAs its profiled run skips, so the merge reads real ones)."""
+    the partials of the CTAs its profiled run skips, so the merge reads real ones). ``arch``: the kernels of that
+    architecture's plan (plan_attention(arch=...) and run_attention; None: paged_attention, the device's)."""
     rng = np.random.default_rng(0)
     dtype, kv_cache_dtype = DTYPES[kv_dtype]
     kv = paged_kv(np.full(num_seqs, context), block_size=block, head_size=head, num_kv_heads=kv_heads, dtype=dtype,
@@ -85,7 +90,21 @@ def setup(device, num_seqs, context, q_len, gqa, kv_dtype, kv_heads=KV_HEADS, he
         cupaged.paged_attention(*args, kv_cache_dtype=kv_cache_dtype, **scales, max_query_len=q_len,
                                 max_seq_len=context, kv_split_size=kv_split_size)
 
-    return run
+    if arch is None:
+        return run
+    view = cupaged.KvView.paged(kv.key_cache, kv.value_cache, q, kv_cache_dtype)
+    plan = cupaged.plan_attention(q, view, *args[3:], max_query_len=q_len, max_seq_len=context,
+                                  kv_split_size=kv_split_size, arch=arch)
+    out = xp.empty((q.shape[0], q.shape[1], head), q.dtype)
+    partials = None
+    if plan.partial_shapes is not None:  # one set across calls, as the workspace above
+        partials = tuple(xp.zeros(shape, np.float32) for shape in plan.partial_shapes)
+
+    def run_plan():
+        cupaged.run_attention(plan, q, view, out, None, *args[3:], k_scale=kv.k_scale, v_scale=kv.v_scale,
+                              partials=partials)
+
+    return run_plan
 
 
 def production_plan(s: dict):
@@ -189,13 +208,38 @@ def project_varlen(batch=4, length=4096, heads=128, qk=192, vd=128, subset_heads
     return _model.project(s, run, c, batch * heads // subset_heads, (length // 128, subset_heads, 1))
 
 
+@contextlib.contextmanager
+def sim_arch(arch: str):
+    """Plans made on the sim for ``arch`` (CUPAGED_SIM_ARCH) inside the block."""
+    old = os.environ.get("CUPAGED_SIM_ARCH")
+    os.environ["CUPAGED_SIM_ARCH"] = arch
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUPAGED_SIM_ARCH")
+        else:
+            os.environ["CUPAGED_SIM_ARCH"] = old
+
+
+def hopper_rows() -> list:
+    """The prefill rows on sm_90's route (paged_prefill_sm90_kernel; ``arch`` "sm_90"): 8 x 2048 causal 32/8 bf16 at
+    head sizes 64, 128 and 256, the varlen 192 / 128 row and the mixed batch beside its halves."""
+    with sim_arch("sm_90"):
+        rows = [project(dict(shape("prefill", 8, 2048, 2048, 32, 8, d, "bf16"), arch="sm_90"), 1)
+                for d in (64, 128, 256)]
+        rows.append(dict(project_varlen(), arch="sm_90"))
+        rows += [dict(project_ragged(name, *batch), arch="sm_90") for name, batch in mixed_batches().items()]
+    return rows
+
+
 def model_rows(sweep: bool) -> list:
     rows = [project(*m) for m in model_shapes(sweep)]
     rows.append(project_varlen())
     rows += [project_ragged(name, *batch) for name, batch in mixed_batches().items()]
     decode = next((r for r in rows if (r["op"], r["batch"], r["context"], r["num_heads"], r["kv_dtype"]) ==
                    ("decode", 64, 4096, 32, "fp16")), None)
-    return rows + serving_rows(decode)
+    return rows + hopper_rows() + serving_rows(decode)
 
 
 def model_shapes(sweep: bool):
@@ -230,20 +274,26 @@ def measured_rows(cp, quick):
     device, peak = _bench.peak_bandwidth_gbps(cp)
     copy_gbps = copy_bandwidth(cp)
     free = cp.cuda.runtime.memGetInfo()[0]
+    cc = str(cp.cuda.Device().compute_capability)
+    sm90 = cc == "90"
     rows, table = [], []
     for s in gpu_configs(quick):
         c = cost(s)
         if c.min_bytes > 0.4 * free:
             continue
-        run = setup("cuda", s["batch"], s["context"], s["q_len"], s["num_heads"] // s["num_kv_heads"], s["kv_dtype"])
-        label = _model.label(s)
-        with _bench.nvtx_range(label):
-            ms = _bench.time_gpu(cp, run)
-        r = _model.row(s, "measured", float(np.median(ms)) * 1e3, c, device=device)
-        r["pct_of_copy_bw"] = 100 * r["gbps"] / copy_gbps  # against this device's measured copy
-        rows.append(r)
-        table.append(_bench.summarize(label, "v5", ms, c.min_bytes, peak) +
-                     (f"{r['pct_of_copy_bw']:.0f}%", f"{r['tflops']:.1f}"))
+        # a prefill on sm_90 measures both routes: the device's (the Hopper kernel) and sm_80's (mma.sync)
+        for arch in (None, "sm_80") if s["q_len"] > 1 and sm90 else (None,):
+            run = setup("cuda", s["batch"], s["context"], s["q_len"], s["num_heads"] // s["num_kv_heads"],
+                        s["kv_dtype"], arch=arch)
+            label = _model.label(s) + (f" [{arch}]" if arch else "")
+            with _bench.nvtx_range(label):
+                ms = _bench.time_gpu(cp, run)
+            r = _model.row(dict(s, arch=arch or f"sm_{cc}"), "measured", float(np.median(ms)) * 1e3, c,
+                           device=device)
+            r["pct_of_copy_bw"] = 100 * r["gbps"] / copy_gbps  # against this device's measured copy
+            rows.append(r)
+            table.append(_bench.summarize(label, "v5", ms, c.min_bytes, peak) +
+                         (f"{r['pct_of_copy_bw']:.0f}%", f"{r['tflops']:.1f}"))
     _bench.print_table(table, f"{device}: spec {peak or '?'} GB/s, measured copy {copy_gbps:.0f} GB/s",
                        extra=("% of copy", "TFLOP/s"))
     return rows, dict(device=device, spec_gbps=peak, copy_gbps=copy_gbps)

@@ -11,11 +11,11 @@
 # all import), selftest (python -m cupaged selftest --backend cuda), demo (python -m cupaged demo --verify
 # --backend cuda, then in bfloat16 at 4x the requests), tests (pytest -m "not slow" -k cuda
 # with CUPAGED_REQUIRE_GPU=1 and --backend cuda), bench_* (each profiling/bench_*.py but pool/sim, small
-# sizes, --json), ncu (one decode launch), memcheck and racecheck (compute-sanitizer on
+# sizes, --json), ncu (one decode launch), memcheck, racecheck and synccheck (compute-sanitizer on
 # profiling/gpu_check_kernels.py). ncu / compute-sanitizer absent or unusable (no permission, device
 # unsupported): skipped. Each phase's log is $OUT/<phase>.log, its status and one-line verdict a line of
 # $OUT/summary.txt ($OUT: env, default ./gpu-check-out). Every phase has a timeout, all together a
-# budget of GPU_CHECK_BUDGET seconds (default 450); a phase left without time fails.
+# budget of GPU_CHECK_BUDGET seconds (default 510); a phase left without time fails.
 #
 # The GPU is probed first, before anything is installed: without nvidia-smi working and CuPy seeing a
 # device every phase is "skipped (no GPU)" and the exit status is 3, within seconds. Exit 0 only when
@@ -39,7 +39,7 @@ done
 OUT=${OUT:-./gpu-check-out}
 mkdir -p "$OUT" || exit 2
 SUMMARY=$OUT/summary.txt
-BUDGET=${GPU_CHECK_BUDGET:-450}
+BUDGET=${GPU_CHECK_BUDGET:-510}
 PY=${PYTHON:-$(command -v python3 || command -v python || echo python3)}
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
@@ -49,7 +49,7 @@ for f in profiling/bench_*.py; do
     b=$(basename "$f" .py)
     case "$b" in bench_pool|bench_sim) ;; *) BENCHES+=("$b") ;; esac  # CPU-only benches
 done
-PHASES=(probe install selftest demo tests "${BENCHES[@]}" ncu memcheck racecheck)
+PHASES=(probe install selftest demo tests "${BENCHES[@]}" ncu memcheck racecheck synccheck)
 
 FAILED=0 PASSED=0 SKIPPED=0
 {
@@ -235,18 +235,22 @@ else
     record ncu "skipped (ncu not found)" - ""
 fi
 
-# ---- compute-sanitizer: memcheck and racecheck on a few kernels ---------------------------------
+# ---- compute-sanitizer: memcheck and racecheck on a few kernels, synccheck on the prefill routes --------------
+# (on sm_90 "prefill" runs paged_prefill_sm90_kernel: mbarriers, named barriers, warpgroups; "prefill80" the
+# mma.sync one through an sm_80 plan)
 SAN=$(find_tool compute-sanitizer)
-for tool in memcheck racecheck; do
+for tool in memcheck racecheck synccheck; do
     if ! selected $tool; then record $tool "skipped (--only)" - ""; continue; fi
     if [ -z "$SAN" ]; then record $tool "skipped (compute-sanitizer not found)" - ""; continue; fi
+    cases=(decode prefill prefill80 flash merge)
     cap=90; [ $tool = racecheck ] && cap=150
+    [ $tool = synccheck ] && cap=60 && cases=(prefill prefill80)
     run $tool $cap "$SAN" --tool $tool --error-exitcode 86 --print-limit 20 --report-api-errors no \
-        "$PY" profiling/gpu_check_kernels.py decode prefill flash merge
+        "$PY" profiling/gpu_check_kernels.py "${cases[@]}"
     log=$OUT/$tool.log
-    summ=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sed 's/^=* *//')
+    summ=$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' "$log" | sed 's/^=* *//')
     err=$(grep -m1 -E '^========= (Error|Internal error)|not supported|permission' "$log" | sed 's/^=* *//' | cut -c1-120)
-    kernels="$(grep -cE '^(decode|prefill|flash|merge): ok' "$log") of 4 kernels ok"
+    kernels="$(grep -cE '^(decode|prefill|prefill80|flash|merge): ok' "$log") of ${#cases[@]} kernels ok"
     if [ $TIMED_OUT -eq 1 ]; then record $tool FAILED "$RC" "timed out: $(last_line "$log")"
     elif [ -z "$summ" ] && [ -n "$err" ]; then record $tool "skipped (compute-sanitizer unusable)" "$RC" "$err"
     elif [ $RC -ne 0 ]; then record $tool FAILED "$RC" "${summ:-$(last_line "$log")}; $kernels"

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "profiling" / "gpu_check.sh"
 BENCHES = sorted(p.stem for p in (ROOT / "profiling").glob("bench_*.py") if p.stem not in ("bench_pool", "bench_sim"))
-PHASES = ["probe", "install", "selftest", "demo", "tests", *BENCHES, "ncu", "memcheck", "racecheck"]
+PHASES = ["probe", "install", "selftest", "demo", "tests", *BENCHES, "ncu", "memcheck", "racecheck", "synccheck"]
 
 
 def test_syntax_and_executable():
@@ -84,4 +84,5 @@ def test_kernel_helper_cases_on_the_sim():
     proc = subprocess.run([sys.executable, str(ROOT / "profiling" / "gpu_check_kernels.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == ["decode", "prefill", "flash", "merge"]
+    names = ["decode", "prefill", "prefill80", "flash", "merge"]
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == names
