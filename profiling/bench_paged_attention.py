@@ -142,7 +142,8 @@ def block_stride(s: dict) -> tuple:
     of a prefill that does not split and fills every tile: a symmetric sample of them (:func:`symmetric_stride`)."""
     plan = production_plan(s)
     rows = s["q_len"] * (s["num_heads"] // s["num_kv_heads"])
-    full = plan.max_splits == 1 and rows == plan.tiles * prefill_shape(s["head_size"], s["head_size"])[0]
+    per_tile = 128 if plan.arch == "sm_90" else prefill_shape(s["head_size"], s["head_size"])[0]  # rows a CTA
+    full = plan.max_splits == 1 and rows == plan.tiles * per_tile
     return symmetric_stride(plan.tiles) if full else 1, s["num_kv_heads"], 1
 
 

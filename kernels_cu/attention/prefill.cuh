@@ -297,6 +297,17 @@ __device__ __forceinline__ PfKeys pf_keys(const PaRow* rows, int nrows, int warp
           __reduce_min_sync(0xffffffffu, all_hi)};
 }
 
+// Whether a prefill CTA (grid: x = split * p.tiles + row tile, y = kv head, z = sequence) has work: not when its
+// sequence's run is a decode kernel's, nor when its split lies past the sequence's last (then marked empty for
+// cascade's readers: pa_mark_empty). Every thread alike, before any barrier.
+__device__ __forceinline__ bool pf_active(const PaSeq& sq, int split, float* exp_sums, const PaParams& p) {
+  if (sq.q_len <= p.decode_max_q) return false;
+  if (split >= sq.splits.count)
+    pa_mark_empty(sq.q_start, sq.q_len, split, blockIdx.x % p.tiles, blockIdx.y, p.num_heads / p.num_kv_heads,
+                  exp_sums, p);
+  return split < sq.splits.count;
+}
+
 template <class T, int KV, int HD, int VHD>
 __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_REGISTERS)) paged_prefill_kernel(
     const T* __restrict__ q,                 // [num_tokens, num_heads, head_size]
@@ -317,12 +328,8 @@ __global__ void __launch_bounds__(PD_THREADS, SM_REGISTERS / (PD_THREADS * PF_RE
   __shared__ Rows kv_rows[S::STAGES];  // each stage's row offsets
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, mask_indptr, p);
+  if (!pf_active(sq, split, exp_sums, p)) return;
   const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
-  if (sq.q_len <= p.decode_max_q) return;  // a decode kernel's
-  if (split >= sq.splits.count) {  // idle
-    pa_mark_empty(sq.q_start, sq.q_len, split, blockIdx.x % p.tiles, kv_head, group, exp_sums, p);
-    return;
-  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2;
   const float qscale = p.scale * pa_cache_scale<KV>(k_scale, p.k_scale_value, kv_head, p);
   const float qscale2 = qscale * PA_LOG2E;

@@ -29,8 +29,8 @@
 namespace cupaged {
 
 constexpr int HP_THREADS = 384;              // the producer warpgroup and two consumer warpgroups
-constexpr int HP_PRODUCER_REGISTERS = 64;    // setmaxnreg: 128 x 64 + 256 x 224 = SM_REGISTERS
-constexpr int HP_CONSUMER_REGISTERS = 224;
+constexpr int HP_PRODUCER_REGISTERS = 80;    // setmaxnreg: 128 x 80 + 256 x 216 = SM_REGISTERS
+constexpr int HP_CONSUMER_REGISTERS = 216;
 constexpr int HP_SMEM_LIMIT = 232448;        // sm_90's dynamic shared memory a block (227 KB), static included
 constexpr int HP_FIXED = 9216;               // of which the alignment slack (1 KB), the mbarriers and the rows
 
@@ -272,12 +272,8 @@ __global__ void __launch_bounds__(HP_THREADS, 1) paged_prefill_sm90_kernel(
   extern __shared__ __align__(128) unsigned char hp_smem[];
   const int kv_head = blockIdx.y, seq = blockIdx.z, split = blockIdx.x / p.tiles;
   const PaSeq sq = pa_seq(seq, split, block_tables, seq_lens, query_start_loc, seqused_k, mask_indptr, p);
+  if (!pf_active(sq, split, exp_sums, p)) return;
   const int group = p.num_heads / p.num_kv_heads, all_rows = sq.q_len * group;
-  if (sq.q_len <= p.decode_max_q) return;  // a decode kernel's
-  if (split >= sq.splits.count) {  // idle
-    pa_mark_empty(sq.q_start, sq.q_len, split, blockIdx.x % p.tiles, kv_head, group, exp_sums, p);
-    return;
-  }
   unsigned char* smem = hp_smem + (1024u - tc_smem(hp_smem) % 1024u) % 1024u;  // 1024-byte aligned panels
   PaRow* rows = reinterpret_cast<PaRow*>(smem + S::ROW_AT);
   const unsigned full = tc_smem(smem + S::BARS), empty = full + 8 * S::STAGES;
