@@ -85,26 +85,27 @@ def family_of(kernel: str) -> KernelFamily:
 
 @functools.lru_cache(maxsize=None)
 def hopper_constants() -> dict[str, int]:
-    """HP_*: paged_prefill_sm90_kernel's threads, shared-memory limit and static allowance, and its warpgroups'
-    registers (setmaxnreg)."""
-    return constants(HOPPER_FAMILY.source, "HP_THREADS", "HP_SMEM_LIMIT", "HP_FIXED", "HP_PRODUCER_REGISTERS",
-                     "HP_CONSUMER_REGISTERS")
+    """HP_*: paged_prefill_sm90_kernel's threads and query rows a CTA, shared-memory limit and fixed allowance, and
+    its warpgroups' registers (setmaxnreg)."""
+    return constants(HOPPER_FAMILY.source, "HP_THREADS", "HP_ROWS", "HP_SMEM_LIMIT", "HP_FIXED",
+                     "HP_PRODUCER_REGISTERS", "HP_CONSUMER_REGISTERS")
 
 
-def hopper_prefill_pipeline(hd: int, vhd: int) -> tuple[int, int]:
-    """HpSmem<CacheT, HD, VHD>'s (STAGES, STAGE): stages of 64 keys' K and V panels in q's type (fp8 converted on the
-    way), up to 4 where they, the two consumers' q panels and HP_FIXED fit HP_SMEM_LIMIT."""
+def hopper_prefill_pipeline(hd: int, vhd: int) -> tuple[int, int, int]:
+    """HpSmem<CacheT, HD, VHD>'s (STAGES, STAGE, Q): stages of 64 keys' K and V panels (64 columns of 128 bytes) in
+    q's type (fp8 converted on the way), up to 4 where they, the consumers' q panels (Q bytes) and HP_FIXED fit
+    HP_SMEM_LIMIT."""
     c = hopper_constants()
     panel = 64 * 128
-    stage, q = (hd + vhd) // 64 * panel, 2 * hd // 64 * panel
-    return min(4, (c["HP_SMEM_LIMIT"] - c["HP_FIXED"] - q) // stage), stage
+    stage, q = (hd + vhd) // 64 * panel, c["HP_ROWS"] * hd * 2
+    return min(4, (c["HP_SMEM_LIMIT"] - c["HP_FIXED"] - q) // stage), stage, q
 
 
 def hopper_prefill_smem_bytes(hd: int, vhd: int) -> int:
     """Dynamic shared memory of paged_prefill_sm90_kernel: HpSmem::BYTES (HP_FIXED: the alignment slack, mbarriers
     and rows; then q and the ring)."""
-    stages, stage = hopper_prefill_pipeline(hd, vhd)
-    return hopper_constants()["HP_FIXED"] + 2 * hd // 64 * 64 * 128 + stages * stage
+    stages, stage, q = hopper_prefill_pipeline(hd, vhd)
+    return hopper_constants()["HP_FIXED"] + q + stages * stage
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,8 +285,8 @@ def prefill_route(key: PlanKey) -> Route | None:
     c = kernel_constants()
     if key.arch == "sm_90":
         h = hopper_constants()
-        return _route(key, prefill_sm90_kernel(key.ctype, key.kv_code, hd, vhd), -(-key.max_q * key.group // 128),
-                      h["HP_THREADS"], hopper_prefill_smem_bytes(hd, vhd), c["SM_REGISTERS"] // h["HP_THREADS"])
+        return _route(key, prefill_sm90_kernel(key.ctype, key.kv_code, hd, vhd),
+                      -(-key.max_q * key.group // h["HP_ROWS"]), h["HP_THREADS"], hopper_prefill_smem_bytes(hd, vhd), c["SM_REGISTERS"] // h["HP_THREADS"])
     return _route(key, prefill_kernel(key.ctype, key.kv_code, hd, vhd),
                   -(-key.max_q * key.group // prefill_shape(hd, vhd)[0]), c["PD_THREADS"],
                   prefill_smem_bytes(key.cache_itemsize, hd, vhd), c["PF_REGISTERS"])

@@ -22,8 +22,8 @@ from cupaged._annotate import _OFF, declare_launch, op_range
 from cupaged._attention_args import (MAX_HEAD_SIZE, check_heads, check_q, check_tables, check_window, check_written,
                                     softmax_scales)
 from cupaged._attention_kernels import FAMILY, HEAD_BUCKETS, MLA_BUCKET, family_of, kernel_constants, tree_kernel
-from cupaged._backend import (capturing, check_arch, device_arch, device_shared_limit, empty, module_of, on_sim, sm_count,
-                              sm_shared_bytes, struct_arg)
+from cupaged._backend import (capturing, check_arch, device_arch, device_shared_limit, empty, module_of, on_sim,
+                              sm_count, sm_shared_bytes, struct_arg)
 from cupaged._cache_args import kv_dtype_name, kv_scale_args
 from cupaged._checks import CTYPE, check_bool, check_last_contiguous, check_optional_int, element_strides
 from cupaged._cost import attention_cost

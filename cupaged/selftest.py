@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from cupaged import reference
+from cupaged.attention import KvView, plan_attention, run_attention
 from cupaged._backend import GpuUnavailableError, gpu_module, host_copy, is_host_array, require_gpu
 from cupaged.merge_attn_states import merge_attn_states
 from cupaged.mla import mla_decode
@@ -206,6 +207,25 @@ def _attention(dtype, kv_cache_dtype="auto", heads=(8, 2), **options):
     return case
 
 
+def _hopper(dtype, kv_cache_dtype="auto"):
+    """The Hopper prefill (paged_prefill_sm90_kernel): a plan made for sm_90 on the sim; on a GPU the device's own
+    plan, which is that kernel's on sm_90 (sm_90a code loads nowhere else)."""
+    def case(asarray, rng):
+        seqs = ((1, 300), (70, 90), (20, 20))
+        q, kv = _paged_pool(rng, seqs, (8, 2), 128, dtype, kv_cache_dtype)
+        qsl = np.array([0, 1, 71, 91], np.int32)
+        dq, table, seq_lens, starts = (asarray(x) for x in (q, kv.block_tables, kv.seq_lens, qsl))
+        view = KvView.paged(asarray(kv.key_cache), asarray(kv.value_cache), dq, kv_cache_dtype)
+        plan = plan_attention(dq, view, table, seq_lens, starts, arch="sm_90" if is_host_array(dq) else None)
+        out, lse = asarray(np.zeros(q.shape, q.dtype)), asarray(np.zeros((8, q.shape[0]), np.float32))
+        run_attention(plan, dq, view, out, lse, table, seq_lens, starts, k_scale=kv.k_scale, v_scale=kv.v_scale)
+        ref_out, ref_lse = reference.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                                     qsl, kv_cache_dtype=kv_cache_dtype, k_scale=kv.k_scale,
+                                                     v_scale=kv.v_scale)
+        return _worst((out, ref_out, tolerance(dtype, kv_cache_dtype)), (lse, ref_lse, "lse"))
+    return case
+
+
 def _vllm_attention(version):
     def case(asarray, rng):
         seqs = ((1, 700), (1, 33), (1, 1))
@@ -288,6 +308,8 @@ CASES = {
     "paged_attention float16 GQA 8 tree mask (tensor cores)": _attention(np.float16, heads=(8, 1), tree=True),
     "paged_attention float16 window_size (24, 4) non-causal": _attention(np.float16, causal=False,
                                                                          window_size=(24, 4)),
+    "paged_attention bfloat16 sm_90 plan (Hopper prefill)": _hopper(ml_dtypes.bfloat16),
+    "paged_attention float16 fp8 sm_90 plan (Hopper prefill)": _hopper(np.float16, "fp8"),
     "paged_attention_v1 float16": _vllm_attention(1),
     "paged_attention_v2 float16": _vllm_attention(2),
     **{f"merge_attn_states {np.dtype(dt).name}": _merge(dt) for dt in _DTYPES},

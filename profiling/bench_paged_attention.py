@@ -37,7 +37,7 @@ from _serving_rows import serving_rows  # noqa: E402
 
 import cupaged  # noqa: E402
 from cupaged.testing import paged_kv  # noqa: E402
-from cupaged._attention_kernels import prefill_shape  # noqa: E402
+from cupaged._attention_kernels import hopper_constants, prefill_shape  # noqa: E402
 from cupaged._cost import attention_cost  # noqa: E402
 from cupaged._plan import split_count  # noqa: E402
 from cupaged.paged_attention import workspace_bytes  # noqa: E402
@@ -142,7 +142,8 @@ def block_stride(s: dict) -> tuple:
     of a prefill that does not split and fills every tile: a symmetric sample of them (:func:`symmetric_stride`)."""
     plan = production_plan(s)
     rows = s["q_len"] * (s["num_heads"] // s["num_kv_heads"])
-    per_tile = 128 if plan.arch == "sm_90" else prefill_shape(s["head_size"], s["head_size"])[0]  # rows a CTA
+    per_tile = (hopper_constants()["HP_ROWS"] if plan.arch == "sm_90"  # query rows a CTA
+                else prefill_shape(s["head_size"], s["head_size"])[0])
     full = plan.max_splits == 1 and rows == plan.tiles * per_tile
     return symmetric_stride(plan.tiles) if full else 1, s["num_kv_heads"], 1
 

@@ -29,6 +29,7 @@
 namespace cupaged {
 
 constexpr int HP_THREADS = 384;              // the producer warpgroup and two consumer warpgroups
+constexpr int HP_ROWS = 128;                 // query rows a CTA: 64 a consumer warpgroup
 constexpr int HP_PRODUCER_REGISTERS = 80;    // setmaxnreg: 128 x 80 + 256 x 216 = SM_REGISTERS
 constexpr int HP_CONSUMER_REGISTERS = 216;
 constexpr int HP_SMEM_LIMIT = 232448;        // sm_90's dynamic shared memory a block (227 KB), static included
@@ -36,7 +37,7 @@ constexpr int HP_FIXED = 9216;               // of which the alignment slack (1 
 
 template <class CacheT, int HD, int VHD>
 struct HpSmem {
-  static constexpr int ROWS = 128, TILE = 64, PANEL = TILE * 128;  // a panel: 64 rows (keys) of 64 columns
+  static constexpr int ROWS = HP_ROWS, TILE = 64, PANEL = TILE * 128;  // a panel: 64 rows (keys) of 64 columns
   static constexpr int K_DIMS = HD, V_DIMS = VHD, KP = HD / 64, VP = VHD / 64;
   static constexpr int STAGE = (KP + VP) * PANEL;  // a tile's K panels, then its V panels, in q's type
   static constexpr int Q = 2 * KP * PANEL;         // each consumer's 64 q rows
